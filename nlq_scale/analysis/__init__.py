@@ -1,0 +1,1 @@
+"""Run loading, scaling-law fits, comparisons, plots and the report."""

@@ -1,0 +1,394 @@
+"""Per arm x scale statistics, gaps to the reference arm, scaling fits, compute multipliers and the
+trend of the gap with scale. Every interval comes from one joint bootstrap over seeds: each
+arm x scale cell's seeds are resampled (fixed-seed numpy Generator), and every statistic is
+recomputed from the same resampled cell means, so the report is reproducible and its intervals
+are consistent with each other. docs/analysis.md explains each number and its assumptions."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from nlq_scale.analysis import fits, stats
+from nlq_scale.analysis.divergence import Divergence, detect_divergence, detect_spikes
+from nlq_scale.analysis.runs import Run
+from nlq_scale.errors import UsageError
+
+Axis = Literal["compute", "params"]
+DEFAULT_REFERENCE = "linear"
+MIN_SEEDS_FOR_CI = 2
+
+
+@dataclass(frozen=True)
+class Options:
+    reference: str | None = None
+    resamples: int = 2000
+    seed: int = 0
+    level: float = 0.95
+    include_incomplete: bool = False
+    divergence_margin: float = 0.5
+    trend_axis: Axis = "compute"
+
+
+@dataclass(frozen=True)
+class RunVerdict:
+    run: Run
+    included: bool
+    reason: str  # why excluded, "" when included
+    divergence: Divergence | None
+    spikes: list[int]
+
+
+@dataclass(frozen=True)
+class LrPoint:
+    lr: float | None
+    mean: float
+    n: int
+
+
+@dataclass
+class Cell:
+    """One arm at one scale, at that arm's best learning rate there."""
+
+    arm: str
+    scale: str
+    best_lr: float | None
+    lr_grid: list[LrPoint]
+    runs: list[Run]
+    losses: np.ndarray
+    boot: np.ndarray = field(repr=False, default_factory=lambda: np.empty(0))  # resampled means
+
+    @property
+    def n(self) -> int:
+        return len(self.losses)
+
+    @property
+    def mean(self) -> float:
+        return float(self.losses.mean())
+
+    @property
+    def std(self) -> float | None:
+        return float(self.losses.std(ddof=1)) if self.n > 1 else None
+
+    @property
+    def compute(self) -> float | None:
+        values = [r.compute for r in self.runs]
+        return None if any(v is None for v in values) else float(np.mean(values))
+
+    @property
+    def params(self) -> int | None:
+        values = {r.params for r in self.runs}
+        return values.pop() if len(values) == 1 else None
+
+    def axis_value(self, axis: Axis) -> float | None:
+        value = self.compute if axis == "compute" else self.params
+        return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A statistic with its bootstrap interval; `ci` is None when it cannot be estimated (`note` says why)."""
+
+    value: float | None
+    ci: tuple[float, float] | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Gap:
+    arm: str
+    scale: str
+    improvement: Estimate  # L_ref - L_arm in nats; positive = the arm is better
+    improvement_pct: Estimate  # 100 (L_ref - L_arm) / L_ref
+    n_arm: int
+    n_ref: int
+
+
+@dataclass(frozen=True)
+class ArmFit:
+    arm: str
+    axis: Axis
+    law: fits.PowerLaw | None
+    note: str  # why not identifiable, or caveats
+    alpha: Estimate | None = None
+    E: Estimate | None = None
+
+
+@dataclass(frozen=True)
+class Multiplier:
+    arm: str
+    scale: str
+    estimate: Estimate  # C_ref / C_arm at equal loss
+    extrapolated: bool
+
+
+@dataclass(frozen=True)
+class Trend:
+    arm: str
+    axis: Axis
+    n_scales: int
+    slope: float | None  # improvement percentage points per 10x of the axis
+    ci_bootstrap: tuple[float, float] | None
+    ci_residual: tuple[float, float] | None
+    distinguishable: bool | None
+    note: str
+
+
+@dataclass
+class Comparison:
+    options: Options
+    reference: str
+    verdicts: list[RunVerdict]
+    scales: list[str]
+    cells: dict[tuple[str, str], Cell]
+    gaps: list[Gap]
+    fits: list[ArmFit]
+    multipliers: list[Multiplier]
+    trends: list[Trend]
+
+    @property
+    def arms(self) -> list[str]:
+        others = sorted({arm for arm, _ in self.cells} - {self.reference})
+        return [self.reference, *others]
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+
+
+def compare(runs: list[Run], options: Options) -> Comparison:
+    verdicts = [judge(r, options) for r in runs]
+    included = [v.run for v in verdicts if v.included]
+    if not included:
+        states = ", ".join(sorted({f"{v.run.state}" for v in verdicts}))
+        raise UsageError(
+            f"no run can be compared: {len(runs)} run(s) found (states: {states}), none completed with a finite "
+            "val/loss (see --include-incomplete)"
+        )
+    cells = build_cells(included)
+    reference = choose_reference(options.reference, {arm for arm, _ in cells})
+    rng = np.random.default_rng(options.seed)
+    for key in sorted(cells):
+        cells[key].boot = stats.resample_means(cells[key].losses, options.resamples, rng)
+    scales = order_scales(cells)
+    arms = sorted({arm for arm, _ in cells})
+    gaps = [g for arm in arms if arm != reference for g in arm_gaps(cells, reference, arm, scales, options)]
+    arm_fits = [fit_arm(cells, arm, scales, axis, options) for arm in arms for axis in ("compute", "params")]
+    ref_fit = next(f for f in arm_fits if f.arm == reference and f.axis == "compute")
+    multipliers = [
+        m for arm in arms if arm != reference for m in compute_multipliers(cells, ref_fit, arm, scales, options)
+    ]
+    trends = [gap_trend(cells, gaps, reference, arm, scales, options) for arm in arms if arm != reference]
+    return Comparison(options, reference, verdicts, scales, cells, gaps, arm_fits, multipliers, trends)
+
+
+def judge(run: Run, options: Options) -> RunVerdict:
+    divergence = detect_divergence(run, options.divergence_margin)
+    spikes = detect_spikes(run, options.divergence_margin)
+    if not run.has_val:
+        if run.state == "completed":
+            raise UsageError(f"{run.source}: completed run has no val/loss records")
+        return RunVerdict(run, False, "no val/loss yet", divergence, spikes)
+    if divergence is not None:
+        return RunVerdict(run, False, f"diverged ({divergence.kind} at step {divergence.step})", divergence, spikes)
+    if run.state != "completed" and not options.include_incomplete:
+        return RunVerdict(run, False, f"state {run.state} (--include-incomplete to use it)", None, spikes)
+    return RunVerdict(run, True, "", None, spikes)
+
+
+def choose_reference(requested: str | None, arms: set[str]) -> str:
+    if requested is not None:
+        if requested not in arms:
+            raise UsageError(f"--reference {requested!r}: no compared runs have that arm (arms: {', '.join(sorted(arms))})")
+        return requested
+    return DEFAULT_REFERENCE if DEFAULT_REFERENCE in arms else sorted(arms)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# cells: arm x scale at the arm's best learning rate
+
+
+def build_cells(runs: list[Run]) -> dict[tuple[str, str], Cell]:
+    groups: dict[tuple[str, str], dict[float | None, list[Run]]] = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        groups[(run.arm, run.scale)][run.lr].append(run)
+    return {key: best_lr_cell(*key, by_lr) for key, by_lr in groups.items()}
+
+
+def best_lr_cell(arm: str, scale: str, by_lr: dict[float | None, list[Run]]) -> Cell:
+    """Each arm is compared at its own best learning rate: the lowest mean final loss over seeds."""
+    grid = [
+        LrPoint(lr, float(np.mean([r.final_loss for r in rs])), len(rs))
+        for lr, rs in sorted(by_lr.items(), key=lambda kv: (kv[0] is None, kv[0] or 0.0))
+    ]
+    best = min(grid, key=lambda p: p.mean)
+    chosen = sorted(by_lr[best.lr], key=lambda r: r.seed)
+    return Cell(arm, scale, best.lr, grid, chosen, np.array([r.final_loss for r in chosen]))
+
+
+def order_scales(cells: dict[tuple[str, str], Cell]) -> list[str]:
+    """Smallest first: by median compute, then params, then name."""
+    by_scale: dict[str, list[Cell]] = defaultdict(list)
+    for (_, scale), cell in cells.items():
+        by_scale[scale].append(cell)
+
+    def key(scale: str) -> tuple[float, float, str]:
+        c = [x.compute for x in by_scale[scale] if x.compute is not None]
+        p = [x.params for x in by_scale[scale] if x.params is not None]
+        return (float(np.median(c)) if c else math.inf, float(np.median(p)) if p else math.inf, scale)
+
+    return sorted(by_scale, key=key)
+
+
+def _seed_note(cells: list[Cell]) -> str:
+    few = [f"{c.arm}@{c.scale}" for c in cells if c.n < MIN_SEEDS_FOR_CI]
+    if not few:
+        return ""
+    return f"no CI: needs >= {MIN_SEEDS_FOR_CI} seeds per cell to resample, only 1 in {', '.join(few)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# gaps
+
+
+def arm_gaps(cells, reference: str, arm: str, scales: list[str], options: Options) -> list[Gap]:
+    out = []
+    for scale in scales:
+        if (arm, scale) not in cells or (reference, scale) not in cells:
+            continue
+        x, r = cells[(arm, scale)], cells[(reference, scale)]
+        note = _seed_note([x, r])
+        diff = r.boot - x.boot
+        out.append(
+            Gap(
+                arm,
+                scale,
+                Estimate(r.mean - x.mean, None if note else stats.percentile_ci(diff, options.level), note),
+                Estimate(
+                    100 * (r.mean - x.mean) / r.mean,
+                    None if note else stats.percentile_ci(100 * diff / r.boot, options.level),
+                    note,
+                ),
+                x.n,
+                r.n,
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# fits and compute multipliers
+
+
+def _axis_points(cells, arm: str, scales: list[str], axis: Axis) -> tuple[list[Cell], str]:
+    """The arm's cells that have a value on the axis, and a note naming the ones that do not."""
+    mine = [cells[(arm, s)] for s in scales if (arm, s) in cells]
+    usable = [c for c in mine if c.axis_value(axis) is not None]
+    missing = [c.scale for c in mine if c.axis_value(axis) is None]
+    return usable, (f"{axis} unknown at {', '.join(missing)}" if missing else "")
+
+
+def fit_arm(cells, arm: str, scales: list[str], axis: Axis, options: Options) -> ArmFit:
+    usable, missing = _axis_points(cells, arm, scales, axis)
+    x = np.array([c.axis_value(axis) for c in usable])
+    y = np.array([c.mean for c in usable])
+    try:
+        law = fits.fit_power_law(x, y)
+    except fits.NotIdentifiable as e:
+        return ArmFit(arm, axis, None, _join(f"not identifiable: {e}", missing))
+    exact = "3 points for 3 parameters: exact interpolation, no residual check" if len(usable) == 3 else ""
+    note = _join(missing, exact)
+    seed_note = _seed_note(usable)
+    if seed_note:
+        return ArmFit(arm, axis, law, note, Estimate(law.alpha, None, seed_note), Estimate(law.E, None, seed_note))
+    E, _, alpha, ok = fits.fit_power_law_batch(x, np.stack([c.boot for c in usable], axis=1))
+    fail = _failure_note(ok)
+    return ArmFit(
+        arm,
+        axis,
+        law,
+        note,
+        Estimate(law.alpha, stats.percentile_ci(np.where(ok, alpha, np.nan), options.level), fail),
+        Estimate(law.E, stats.percentile_ci(np.where(ok, E, np.nan), options.level), fail),
+    )
+
+
+def _join(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+def _failure_note(ok: np.ndarray) -> str:
+    failed = int((~ok).sum())
+    return f"{failed}/{ok.size} resamples gave no identifiable fit and were dropped" if failed else ""
+
+
+def compute_multipliers(cells, ref_fit: ArmFit, arm: str, scales: list[str], options: Options) -> list[Multiplier]:
+    """C_ref / C_arm: how much more (or less) compute the reference needs to reach the arm's loss,
+    read off the reference's fitted L(C) at the arm's observed mean loss."""
+    out = []
+    ref_cells, _ = _axis_points(cells, ref_fit.arm, scales, "compute")
+    for scale in scales:
+        cell = cells.get((arm, scale))
+        if cell is None:
+            continue
+        if ref_fit.law is None:
+            out.append(Multiplier(arm, scale, Estimate(None, None, f"reference fit {ref_fit.note}"), False))
+            continue
+        if cell.compute is None:
+            out.append(Multiplier(arm, scale, Estimate(None, None, f"compute unknown for {arm}@{scale}"), False))
+            continue
+        c_ref = ref_fit.law.inverse(cell.mean)
+        value = c_ref / cell.compute
+        extrapolated = not (ref_fit.law.x_min <= c_ref <= ref_fit.law.x_max)
+        out.append(Multiplier(arm, scale, _multiplier_estimate(value, cell, ref_cells, options), extrapolated))
+    return out
+
+
+def _multiplier_estimate(value: float, cell: Cell, ref_cells: list[Cell], options: Options) -> Estimate:
+    beyond = "the arm's loss is below the reference fit's asymptote E" if math.isinf(value) else ""
+    seed_note = _seed_note([cell, *ref_cells])
+    if seed_note:
+        return Estimate(_finite_or_none(value), None, _join(beyond, seed_note))
+    x = np.array([c.compute for c in ref_cells])
+    E, A, alpha, ok = fits.fit_power_law_batch(x, np.stack([c.boot for c in ref_cells], axis=1))
+    boot = np.where(ok, fits.inverse_batch(E, A, alpha, cell.boot) / cell.compute, np.nan)
+    return Estimate(_finite_or_none(value), stats.percentile_ci(boot, options.level), _join(beyond, _failure_note(ok)))
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# trend of the gap with scale
+
+
+def gap_trend(cells, gaps: list[Gap], reference: str, arm: str, scales: list[str], options: Options) -> Trend:
+    """Regress the relative improvement (percentage points) on log10 of the reference's compute or
+    params at each scale. Two intervals: the seed bootstrap (noise within cells) and, with 3+ scales,
+    the residual t-interval (also catches curvature the line does not follow). The slope counts as
+    distinguishable from zero only if every available interval excludes zero."""
+    axis = options.trend_axis
+    mine = [g for g in gaps if g.arm == arm]
+    pairs = [(cells[(arm, g.scale)], cells[(reference, g.scale)]) for g in mine]
+    usable = [(x, r) for x, r in pairs if r.axis_value(axis) is not None]
+    if len(usable) < 2:
+        why = f"{len(usable)} scale(s) with a gap and a known {axis}; a slope needs 2"
+        return Trend(arm, axis, len(usable), None, None, None, None, why)
+    logx = np.log10([r.axis_value(axis) for _, r in usable])
+    pct = np.array([100 * (r.mean - x.mean) / r.mean for x, r in usable])
+    slope = float(stats.ols_slope(logx, pct[None, :])[0])
+    seed_note = _seed_note([c for pair in usable for c in pair])
+    ci_boot = None
+    if not seed_note:
+        boot_pct = np.stack([100 * (r.boot - x.boot) / r.boot for x, r in usable], axis=1)
+        ci_boot = stats.percentile_ci(stats.ols_slope(logx, boot_pct), options.level)
+    ci_resid = stats.ols_slope_ci(logx, pct, options.level)
+    verdicts = [stats.excludes_zero(ci) for ci in (ci_boot, ci_resid) if ci is not None]
+    distinguishable = all(verdicts) if verdicts else None
+    two = "2 scales: the line passes through both points, so lack of fit cannot be checked" if ci_resid is None else ""
+    return Trend(arm, axis, len(usable), slope, ci_boot, ci_resid, distinguishable, _join(seed_note, two))

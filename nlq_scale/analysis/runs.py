@@ -1,0 +1,323 @@
+"""Load finished or running runs into one in-memory form, whatever wrote them.
+
+Sources: run directories (DESIGN.md's contract: config.yaml, manifest.json, status.json,
+metrics.jsonl), offline W&B runs (read through `wandb leet inspect --json`, no network), and online
+W&B projects (`wandb:ENTITY/PROJECT`, through `wandb.Api()` when the user is logged in). CSV logs
+become run directories first (`nlq-scale import-csv`, csvio.py), so they load as run directories.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import yaml
+
+from nlq_scale.config.load import build_run_config
+from nlq_scale.config.schema import RunConfig
+from nlq_scale.errors import UsageError
+
+METRICS = "metrics.jsonl"
+VAL_KEY = "val/loss"
+TRAIN_KEY = "train/loss"
+WANDB_PREFIX = "wandb:"
+# W&B's run states (wandb.apis.public.Run.state) in the run directory's vocabulary.
+WANDB_STATES = {"finished": "completed", "failed": "failed", "crashed": "failed", "killed": "failed"}
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Validation loss over training, one point per evaluation, sorted by step."""
+
+    step: np.ndarray
+    tokens: np.ndarray  # float: NaN where the source did not record tokens
+    loss: np.ndarray
+
+
+@dataclass(frozen=True)
+class Run:
+    run_id: str
+    source: str
+    arm: str
+    scale: str
+    seed: int
+    lr: float | None  # None: imported without a learning rate
+    state: str  # status.json vocabulary: pending|running|preempted|diverged|completed|failed
+    val: Curve
+    params: int | None  # non-embedding parameters N
+    flops_per_token: int | None
+    first_nonfinite_train_step: int | None = None
+    diverged_event_step: int | None = None  # the train loop's own divergence guard fired here
+
+    @property
+    def has_val(self) -> bool:
+        return self.val.loss.size > 0
+
+    @property
+    def final_loss(self) -> float:
+        return float(self.val.loss[-1])
+
+    @property
+    def final_step(self) -> int:
+        return int(self.val.step[-1])
+
+    @property
+    def final_tokens(self) -> float:
+        return float(self.val.tokens[-1])
+
+    @property
+    def compute(self) -> float | None:
+        """Training FLOPs spent up to the final evaluation (C = FLOPs/token x tokens)."""
+        if self.flops_per_token is None or not self.has_val or not math.isfinite(self.final_tokens):
+            return None
+        return self.flops_per_token * self.final_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# discovery
+
+
+def load_runs(roots: Iterable[str]) -> list[Run]:
+    """Every run under the given roots; a root is a directory, a run directory, a W&B run
+    directory or `.wandb` file, or `wandb:ENTITY/PROJECT` for an online project."""
+    runs: list[Run] = []
+    for root in roots:
+        found = _load_online(root[len(WANDB_PREFIX):]) if root.startswith(WANDB_PREFIX) else _load_local(Path(root))
+        if not found:
+            raise UsageError(f"{root}: no runs found (expected run directories with {METRICS}, or W&B runs)")
+        runs.extend(found)
+    _reject_duplicates(runs)
+    return runs
+
+
+def _load_local(root: Path) -> list[Run]:
+    if not root.exists():
+        raise UsageError(f"{root}: no such file or directory")
+    if root.is_file():
+        if root.suffix == ".wandb":
+            return [load_wandb_offline(root)]
+        raise UsageError(f"{root}: not a directory or .wandb file (import CSV logs with `nlq-scale import-csv`)")
+    return [load_run_dir(p) if (p / METRICS).is_file() else load_wandb_offline(p) for p in _run_paths(root)]
+
+
+def _run_paths(root: Path) -> Iterator[Path]:
+    """Run directories, and W&B run directories that are not the mirror inside a run directory."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if METRICS in filenames:
+            dirnames.clear()  # its wandb/ subdirectory mirrors the same run
+            yield here
+        elif any(f.startswith("run-") and f.endswith(".wandb") for f in filenames):
+            dirnames.clear()
+            yield here
+        dirnames.sort()
+
+
+def _reject_duplicates(runs: list[Run]) -> None:
+    seen: dict[tuple, str] = {}
+    for run in runs:
+        key = (run.arm, run.scale, run.lr, run.seed)
+        if key in seen:
+            raise UsageError(
+                f"{run.source}: same arm/scale/lr/seed as {seen[key]} ({run.arm}, {run.scale}, lr={run.lr}, "
+                f"seed={run.seed}); pass only one of them"
+            )
+        seen[key] = run.source
+
+
+# ---------------------------------------------------------------------------------------------
+# run directories
+
+
+def load_run_dir(path: Path) -> Run:
+    cfg_path = path / "config.yaml"
+    if not cfg_path.is_file():
+        raise UsageError(f"{cfg_path}: missing (every run directory needs its resolved config)")
+    try:
+        raw_cfg = yaml.safe_load(cfg_path.read_text()) or {}
+    except yaml.YAMLError:
+        raise UsageError(f"{cfg_path}: malformed YAML") from None
+    if not isinstance(raw_cfg, dict):
+        raise UsageError(f"{cfg_path}: expected a mapping")
+    cfg = build_run_config(raw_cfg, str(cfg_path))
+    manifest = _read_json(path / "manifest.json", required=False) or {}
+    status = _read_json(path / "status.json", required=False) or {}
+    state = str(status.get("state") or "unknown")
+    return build_run(cfg, read_metrics(path / METRICS), state, manifest, source=str(path), run_id=cfg.name or path.name)
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise UsageError(f"{path}: missing")
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: malformed JSON (line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl records. A torn last line (the writer was killed mid-write) is skipped; a
+    malformed line anywhere else is an error."""
+    text = path.read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise UsageError(f"{path}: line {number} is not valid JSON") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise UsageError(f"{path}: line {number}: expected an object with a 'step'")
+        records.append(record)
+    return records
+
+
+# ---------------------------------------------------------------------------------------------
+# shared: records + config -> Run
+
+
+def build_run(
+    cfg: RunConfig,
+    records: list[dict[str, Any]],
+    state: str,
+    manifest: dict[str, Any],
+    source: str,
+    run_id: str,
+) -> Run:
+    params, flops = _accounting(cfg, manifest)
+    imported = manifest.get("import")
+    lr = imported.get("lr") if isinstance(imported, dict) else cfg.train.lr
+    return Run(
+        run_id=run_id,
+        source=source,
+        arm=cfg.arm_label,
+        scale=cfg.scale or "unknown",
+        seed=cfg.seed,
+        lr=None if lr is None else float(lr),
+        state=state,
+        val=val_curve(records),
+        params=params,
+        flops_per_token=flops,
+        first_nonfinite_train_step=_first_nonfinite_step(records, TRAIN_KEY),
+        diverged_event_step=next((int(r["step"]) for r in records if r.get("event") == "diverged"), None),
+    )
+
+
+def _accounting(cfg: RunConfig, manifest: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(non-embedding params, training FLOPs/token): the manifest's numbers; an imported run's
+    manifest may say null (unknown), and then nothing is guessed from the placeholder config."""
+    acc = manifest.get("accounting") or {}
+    if "import" in manifest or ("non_embedding_params" in acc and "flops_per_token" in acc):
+        return _opt_int(acc.get("non_embedding_params")), _opt_int(acc.get("flops_per_token"))
+    from nlq_scale.model.accounting import count_parameters, flops_per_token
+
+    return count_parameters(cfg.model).non_embedding, flops_per_token(cfg.model)
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def val_curve(records: list[dict[str, Any]]) -> Curve:
+    """Validation points by step; a step logged twice (replayed after a resume) keeps its last value."""
+    by_step: dict[int, tuple[float, float]] = {}
+    for r in records:
+        if r.get(VAL_KEY) is None:
+            continue
+        tokens = r.get("tokens")
+        by_step[int(r["step"])] = (float(r[VAL_KEY]), math.nan if tokens is None else float(tokens))
+    steps = sorted(by_step)
+    return Curve(
+        step=np.array(steps, dtype=np.int64),
+        tokens=np.array([by_step[s][1] for s in steps], dtype=float),
+        loss=np.array([by_step[s][0] for s in steps], dtype=float),
+    )
+
+
+def _first_nonfinite_step(records: list[dict[str, Any]], key: str) -> int | None:
+    bad = [int(r["step"]) for r in records if r.get(key) is not None and not math.isfinite(float(r[key]))]
+    return min(bad) if bad else None
+
+
+def _config_from_mapping(raw: dict[str, Any], source: str) -> RunConfig:
+    """A W&B config holds the RunConfig dump plus W&B's own keys (`_wandb`, ...): keep ours."""
+    ours = {k: v for k, v in raw.items() if k in RunConfig.model_fields}
+    return build_run_config(ours, source)
+
+
+# ---------------------------------------------------------------------------------------------
+# W&B
+
+
+def load_wandb_offline(path: Path) -> Run:
+    """An offline W&B run (its directory or .wandb file), read with `wandb leet inspect`."""
+    summary = json.loads(_leet(path, "--summary", "--json"))
+    records = []
+    for line in _leet(path, "--json").splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "history":
+            records.append(_wandb_row(rec["history"]["item"]))
+    state = _wandb_state(summary.get("state"), summary.get("exit_code"))
+    cfg = _config_from_mapping(summary.get("config") or {}, str(path))
+    run_id = cfg.name or str(summary.get("run_id") or path.name)
+    return build_run(cfg, [r for r in records if "step" in r], state, {}, source=str(path), run_id=run_id)
+
+
+def _leet(path: Path, *flags: str) -> str:
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", *flags, str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip().splitlines() or ["unreadable"])[-1]
+        raise UsageError(f"{path}: cannot read W&B run ({reason})")
+    return proc.stdout
+
+
+def _wandb_row(item: dict[str, Any]) -> dict[str, Any]:
+    """W&B writes non-finite numbers as the strings NaN/Infinity/-Infinity."""
+    row = {k: v for k, v in item.items() if not k.startswith("_")}
+    for key in (VAL_KEY, TRAIN_KEY):
+        if isinstance(row.get(key), str):
+            row[key] = float(row[key])
+    if "step" not in row and "_step" in item:
+        row["step"] = item["_step"]
+    return row
+
+
+def _wandb_state(state: Any, exit_code: Any = None) -> str:
+    state = str(state or "unknown").lower()
+    if state == "finished" and exit_code not in (None, 0):
+        return "failed"
+    return WANDB_STATES.get(state, state)
+
+
+def _load_online(project: str) -> list[Run]:
+    import wandb
+
+    try:
+        api_runs = list(wandb.Api().runs(project))
+    except Exception as e:  # the public API raises several types for auth/network/unknown project
+        raise UsageError(f"{WANDB_PREFIX}{project}: cannot list W&B runs ({e})") from None
+    runs = []
+    for r in api_runs:
+        source = f"{WANDB_PREFIX}{project}/{r.id}"
+        records = [_wandb_row(row) for row in r.scan_history(keys=[VAL_KEY, "step", "tokens"])]
+        cfg = _config_from_mapping(dict(r.config), source)
+        runs.append(build_run(cfg, records, _wandb_state(r.state), {}, source=source, run_id=cfg.name or r.id))
+    return runs

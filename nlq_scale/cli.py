@@ -1,0 +1,58 @@
+"""`nlq-scale` command line. Each part of the library contributes its sub-commands from `<part>/cli.py`
+(a function `add_commands(subparsers)`), so this file never changes when a part grows a command.
+
+Exit codes (DESIGN.md): 0 success, 2 bad input (one line, no traceback), 1 failure at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from typing import Any
+
+from nlq_scale.errors import RunFailure, UsageError
+
+PARTS = ("model", "data", "train", "cluster", "analysis")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; bad input here is one line naming the problem."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="nlq-scale", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for part in PARTS:
+        name = f"nlq_scale.{part}.cli"
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name).add_commands(sub)
+    return parser
+
+
+def emit_json(obj: Any) -> None:
+    """`--json`: one JSON document on stdout and nothing else there."""
+    json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=str)
+    sys.stdout.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"nlq-scale {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RunFailure as e:
+        print(f"nlq-scale {args.command}: failed: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Sweep expansion, resource planning, submitit/SLURM submission and run status."""

@@ -1,0 +1,133 @@
+"""YAML loading, layering (scale <- arm <- file <- overrides) and one-line validation errors."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from pydantic import ValidationError
+
+from nlq_scale.config.schema import RunConfig
+from nlq_scale.errors import UsageError
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping from a file, or a UsageError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"{path}:{where} malformed YAML ({getattr(e, 'problem', None) or e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """`a.b=1` strings into a nested dict; values are parsed as YAML scalars (1, 1e-3, true, [1,2])."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise UsageError(f"override {item!r}: expected key.path=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            raise UsageError(f"override {item!r}: value is not valid YAML") from None
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UsageError(f"override {item!r}: {part} is set to a value and used as a section")
+        node[leaf] = value
+    return out
+
+
+def available(kind: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
+
+
+def named_config(kind: str, name: str) -> dict[str, Any]:
+    """configs/<kind>/<name>.yaml, or a UsageError listing what exists."""
+    path = CONFIG_DIR / kind / f"{name}.yaml"
+    if not path.is_file():
+        singular = kind.rstrip("s")
+        raise UsageError(f"unknown {singular} {name!r} (known: {', '.join(available(kind))})")
+    return read_yaml(path)
+
+
+def validation_message(err: ValidationError, source: str = "config") -> str:
+    """The first validation error as one line: `source: field.path: reason`."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    more = len(err.errors()) - 1
+    suffix = f" (+{more} more)" if more else ""
+    return f"{source}: {loc + ': ' if loc else ''}{msg}{suffix}"
+
+
+def build_run_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise UsageError(validation_message(e, source)) from None
+
+
+def compose_raw(
+    scale: str | None = None,
+    arm: str | None = None,
+    config_path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+) -> dict[str, Any]:
+    """Layer scale <- arm <- config file <- command-line overrides into one raw mapping."""
+    raw: dict[str, Any] = {}
+    if scale is not None:
+        raw = deep_merge(raw, named_config("scales", scale))
+        raw["scale"] = scale
+    if arm is not None:
+        raw = deep_merge(raw, named_config("arms", arm))
+        raw["variant"] = arm
+    if config_path is not None:
+        raw = deep_merge(raw, read_yaml(config_path))
+    return deep_merge(raw, parse_overrides(overrides))
+
+
+def load_run_config(
+    scale: str | None = None,
+    arm: str | None = None,
+    config_path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+) -> RunConfig:
+    overrides = list(overrides)
+    raw = compose_raw(scale, arm, config_path, overrides)
+    source = str(config_path) if config_path else "config"
+    return build_run_config(raw, source)
+
+
+def dump_run_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

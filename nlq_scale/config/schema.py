@@ -1,0 +1,248 @@
+"""Typed run configuration. Every part of the harness reads these models, never raw dicts.
+
+Names follow megatron-core where one exists (DESIGN.md lists the keys scripts rely on).
+Unknown keys are errors (``extra="forbid"``) so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+ARMS = ("linear", "identity", "nonlinear", "preproj")
+Arm = Literal["linear", "identity", "nonlinear", "preproj"]
+Activation = Literal["gelu", "relu", "relu2", "silu"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class NonlinearQueryConfig(Strict):
+    """Q(X) = mix * X + (1 - mix) * f(X), f = LN(W2 act(W1 RMSNorm X)); the paper uses mix = 1/2."""
+
+    rank: PositiveInt | None = Field(None, description="width r of W1 (d -> r); default d/2")
+    activation: Activation = "gelu"
+    mix: float = Field(0.5, ge=0.0, le=1.0, description="weight of the X skip; f(X) gets 1 - mix")
+
+
+class PreprojConfig(Strict):
+    """RMSNorm -> x + W_down act(W_up x) before Q/K/V, plus a content skip W_skip after attention."""
+
+    rank: PositiveInt | None = Field(None, description="width of W_up; default d/2")
+    activation: Activation = "gelu"
+    skip_init_std: float = Field(1e-4, ge=0.0, description="W_skip starts near zero")
+
+
+class MoEConfig(Strict):
+    num_experts: PositiveInt | None = Field(None, description="None = dense MLP")
+    router_topk: PositiveInt = 2
+    aux_loss_coeff: float = Field(1e-2, ge=0.0)
+
+
+class ModelConfig(Strict):
+    arm: Arm = "linear"
+    num_layers: PositiveInt = 12
+    hidden_size: PositiveInt = 768
+    num_attention_heads: PositiveInt = 12
+    num_query_groups: PositiveInt | None = Field(None, description="GQA groups; None = one per head")
+    kv_channels: PositiveInt | None = Field(None, description="head dim; default hidden/heads")
+    mlp_ratio: PositiveFloat = Field(4.0, description="MLP width / hidden size")
+    match_params_of: Arm | None = Field(
+        None, description="linear arm only: solve mlp_ratio so non-embedding params match this arm"
+    )
+    seq_length: PositiveInt = 1024
+    vocab_size: PositiveInt = 50257
+    make_vocab_size_divisible_by: PositiveInt = 128
+    position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
+    rotary_base: PositiveInt = 10000
+    tie_embeddings: bool = True
+    add_bias_linear: bool = False
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    qk_norm: bool = False
+    init_std: PositiveFloat = 0.02
+    softmax_scale: PositiveFloat | None = Field(
+        None, description="None = arm default: 1/sqrt(d_k), identity 1/(2 sqrt(d_k))"
+    )
+    nlq: NonlinearQueryConfig = NonlinearQueryConfig()
+    preproj: PreprojConfig = PreprojConfig()
+    moe: MoEConfig = MoEConfig()
+    transformer_impl: Literal["local", "transformer_engine"] = Field(
+        "local", description="transformer_engine needs a GPU with TE installed (untested on CPU)"
+    )
+    bf16: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ModelConfig:
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(
+                f"num_query_groups ({self.query_groups}) must divide num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads}); set kv_channels"
+            )
+        if self.arm in ("identity", "nonlinear") and self.num_attention_heads * self.head_dim != self.hidden_size:
+            raise ValueError(
+                f"arm {self.arm} needs query width == hidden_size, got heads*kv_channels = "
+                f"{self.num_attention_heads * self.head_dim} != {self.hidden_size}"
+            )
+        if self.match_params_of is not None and self.arm != "linear":
+            raise ValueError("match_params_of is only for the linear arm (a parameter-matched control)")
+        if self.moe.num_experts is not None and self.add_bias_linear:
+            raise ValueError("moe with add_bias_linear=true is unsupported (megatron in-place add on a view)")
+        return self
+
+
+class ParallelConfig(Strict):
+    tp: PositiveInt = Field(1, description="tensor-parallel size")
+    pp: PositiveInt = Field(1, description="pipeline-parallel size")
+    ep: PositiveInt = Field(1, description="expert-parallel size (MoE)")
+    sequence_parallel: bool = False
+
+
+class StreamConfig(Strict):
+    path: str
+    proportion: PositiveFloat
+
+
+class DataConfig(Strict):
+    path: str | None = Field(None, description="prepared MDS dataset dir (nlq-scale prepare-data)")
+    streams: list[StreamConfig] | None = Field(None, description="mixture of prepared datasets")
+    seed: int = Field(0, description="data seed: shuffle order, shared by every arm of a sweep")
+    shuffle_algo: Literal["py1e", "py1br", "py1b"] = Field(
+        "py1e", description="no padding algorithms only (py1s/py2s pad epochs with duplicates)"
+    )
+    num_canonical_nodes: PositiveInt = Field(
+        1, description="fixed so the global batch at step k is the same for any world size"
+    )
+    num_workers: int = Field(0, ge=0)
+    val_sequences: PositiveInt = Field(64, description="fixed validation set size (sequences)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.path is not None and self.streams is not None:
+            raise ValueError("give data.path or data.streams, not both")
+        return self
+
+
+class DivergenceConfig(Strict):
+    margin: PositiveFloat = Field(0.5, description="val loss above its best by this much ...")
+    patience: PositiveInt = Field(2, description="... for this many evals in a row -> diverged")
+
+
+class TrainConfig(Strict):
+    engine: Literal["megatron", "deepspeed"] = "megatron"
+    distributed_optimizer: bool = Field(True, description="megatron engine: shard optimizer state over DP")
+    zero_stage: int = Field(1, ge=0, le=3, description="deepspeed engine: ZeRO stage")
+    steps: PositiveInt = 1000
+    global_batch_size: PositiveInt = Field(480, description="sequences per optimizer step")
+    micro_batch_size: PositiveInt = 8
+    lr: PositiveFloat = 6e-4
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="min lr = lr * min_lr_ratio")
+    lr_schedule: Literal["cosine", "linear", "wsd"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    wsd_decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="wsd: final fraction that decays")
+    weight_decay: float = Field(0.1, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    eps: PositiveFloat = 1e-8
+    grad_clip: float = Field(1.0, ge=0.0, description="0 = off")
+    z_loss: float = Field(0.0, ge=0.0)
+    eval_every: PositiveInt = 100
+    log_every: PositiveInt = 10
+    log_max_attn_logit: bool = False
+    device_peak_flops: PositiveFloat | None = Field(None, description="per device; enables mfu")
+    divergence: DivergenceConfig = DivergenceConfig()
+    nan_at_step: PositiveInt | None = Field(None, description="test hook: poison the loss at this step")
+
+    @model_validator(mode="after")
+    def _warmup(self) -> TrainConfig:
+        if self.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
+        return self
+
+
+class CheckpointConfig(Strict):
+    every: int = Field(0, ge=0, description="save every N steps (0 = only at the end and on signals)")
+    keep: PositiveInt = Field(2, description="complete checkpoints kept")
+
+
+class LoggingConfig(Strict):
+    wandb: bool = True
+    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_project: str = "nlq-scale"
+    wandb_entity: str | None = None
+    tags: list[str] = []
+
+
+class RunConfig(Strict):
+    name: str | None = Field(None, description="run id (stable per sweep point)")
+    sweep: str | None = Field(None, description="sweep name; the W&B group")
+    scale: str | None = Field(None, description="ladder scale this run came from")
+    variant: str | None = Field(
+        None, description="the arm as configs/arms names it (e.g. linear-mlp4.75); analysis groups by it"
+    )
+    seed: int = Field(1234, description="model init seed")
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _layout(self) -> RunConfig:
+        m, p = self.model, self.parallel
+        if m.num_attention_heads % p.tp:
+            raise ValueError(f"num_attention_heads ({m.num_attention_heads}) not divisible by parallel.tp ({p.tp})")
+        if m.query_groups % p.tp:
+            raise ValueError(f"num_query_groups ({m.query_groups}) not divisible by parallel.tp ({p.tp})")
+        if m.num_layers % p.pp:
+            raise ValueError(f"num_layers ({m.num_layers}) not divisible by parallel.pp ({p.pp})")
+        if p.ep > 1 and (m.moe.num_experts is None or m.moe.num_experts % p.ep):
+            raise ValueError(f"parallel.ep ({p.ep}) must divide model.moe.num_experts ({m.moe.num_experts})")
+        if self.train.engine == "deepspeed" and p.pp > 1:
+            raise ValueError("train.engine=deepspeed supports parallel.pp=1 only (use the megatron engine for PP)")
+        if self.train.global_batch_size % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size ({self.train.global_batch_size}) not divisible by "
+                f"train.micro_batch_size ({self.train.micro_batch_size})"
+            )
+        return self
+
+    @property
+    def arm_label(self) -> str:
+        return self.variant or self.model.arm
+
+    def data_parallel_size(self, world_size: int) -> int:
+        mp = self.parallel.tp * self.parallel.pp
+        if world_size % mp:
+            raise ValueError(f"world size {world_size} not divisible by tp*pp = {mp}")
+        return world_size // mp
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        dp = self.data_parallel_size(world_size)
+        per_step = self.train.micro_batch_size * dp
+        if self.train.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size ({self.train.global_batch_size}) not divisible by "
+                f"micro_batch_size*dp ({per_step})"
+            )
+        return self.train.global_batch_size // per_step

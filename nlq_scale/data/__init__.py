@@ -1,0 +1,1 @@
+"""Corpus readers, GPT-2 tokenizer, MDS preparation and the deterministic streaming loader."""

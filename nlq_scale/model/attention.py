@@ -1,0 +1,135 @@
+"""Attention layers for the query arms, built by subclassing megatron-core's attention so that RoPE,
+core attention, the output projection and the inference KV cache stay megatron's own.
+
+- QueryVariantAttention (identity, nonlinear): K/V from a KV-only column-parallel projection of
+  width 2 * d_kv, laid out per query group as [k_g | v_g]; Q from the arm's query module.
+- PreprojAttention (preproj): megatron's SelfAttention on a pre-projected input, plus a content
+  skip added to its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import Attention, SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import init_method_normal
+from torch import Tensor
+
+from nlq_scale.model.query import ACTIVATIONS
+
+
+@dataclass
+class QueryVariantSubmodules:
+    query: Union[ModuleSpec, type]
+    linear_kv: Any
+    core_attention: Any
+    linear_proj: Union[ModuleSpec, type, None] = None
+    q_layernorm: Union[ModuleSpec, type, None] = None
+    k_layernorm: Union[ModuleSpec, type, None] = None
+
+
+def _head_norm(spec, config: TransformerConfig, head_dim: int):
+    if spec is None:
+        return None
+    return build_module(spec, hidden_size=head_dim, config=config, eps=config.layernorm_epsilon)
+
+
+class QueryVariantAttention(Attention):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: QueryVariantSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ) -> None:
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type="self",
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        self.query = build_module(submodules.query, config=self.config)
+        self.linear_kv = build_module(
+            submodules.linear_kv,
+            self.config.hidden_size,
+            2 * self.kv_projection_size,
+            config=self.config,
+            init_method=self.config.init_method,
+            gather_output=False,
+            bias=self.config.add_bias_linear,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="kv",
+            tp_group=self.pg_collection.tp,
+        )
+        self.q_layernorm = _head_norm(submodules.q_layernorm, self.config, self.hidden_size_per_attention_head)
+        self.k_layernorm = _head_norm(submodules.k_layernorm, self.config, self.hidden_size_per_attention_head)
+
+    def get_query_key_value_tensors(
+        self,
+        hidden_states: Tensor,
+        key_value_states: Tensor | None = None,
+        output_gate: bool = False,
+        split_qkv: bool = True,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if output_gate or not split_qkv:
+            raise NotImplementedError("query-variant attention has no output gate or fused QKV-RoPE path")
+        head_dim = self.hidden_size_per_attention_head
+        kv, _ = self.linear_kv(hidden_states)
+        kv = kv.view(*kv.shape[:-1], self.num_query_groups_per_partition, 2 * head_dim)
+        key, value = torch.split(kv, head_dim, dim=-1)
+        query = self.query(hidden_states)
+        query = query.view(*query.shape[:-1], self.num_attention_heads_per_partition, head_dim)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return query, key, value
+
+
+@dataclass
+class PreprojSubmodules(SelfAttentionSubmodules):
+    rank: int = 0
+    activation: str = "gelu"
+    skip_init_std: float = 1e-4
+
+
+class PreprojAttention(SelfAttention):
+    """x' = x + W_down act(W_up RMSNorm(x)) feeds Q/K/V; W_skip x' (init near zero) joins the output."""
+
+    def __init__(self, config: TransformerConfig, submodules: PreprojSubmodules, layer_number: int, **kwargs) -> None:
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
+        d, r = config.hidden_size, submodules.rank
+        self.activation = ACTIVATIONS[submodules.activation]
+        self.pre_norm = torch.nn.RMSNorm(d, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+        self.w_up = ColumnParallelLinear(
+            d, r, config=config, init_method=config.init_method, bias=config.add_bias_linear,
+            gather_output=False, skip_bias_add=False, is_expert=False,
+        )
+        self.w_down = RowParallelLinear(
+            r, d, config=config, init_method=config.init_method, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=False, is_expert=False,
+        )
+        self.w_skip = RowParallelLinear(
+            d, d, config=config, init_method=init_method_normal(submodules.skip_init_std),
+            bias=config.add_bias_linear, input_is_parallel=False, skip_bias_add=False, is_expert=False,
+        )
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        up, _ = self.w_up(self.pre_norm(hidden_states))
+        down, _ = self.w_down(self.activation(up))
+        content = hidden_states + down
+        output, bias = super().forward(content, *args, **kwargs)
+        skip, _ = self.w_skip(content)
+        return output + skip, bias

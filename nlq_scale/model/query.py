@@ -1,0 +1,61 @@
+"""Query paths for the attention arms, as megatron-core modules (tensor-parallel aware).
+
+Each module maps the attention input x [s, b, d] (replicated across tensor-parallel ranks) to this
+rank's slice of the query, [s, b, heads_per_rank * head_dim]. Norms run on the full hidden vector
+on every rank; the last step scatters the full query to the local heads, whose backward gathers
+the gradient so that replicated norm weights receive complete, identical gradients on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+
+def relu2(x: Tensor) -> Tensor:
+    return F.relu(x).square()
+
+
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "relu2": relu2, "silu": F.silu}
+
+
+class IdentityQuery(MegatronModule):
+    """W_Q = I: the query is the layer input itself (the attention scale carries the 1/2)."""
+
+    def __init__(self, config: TransformerConfig, **_unused) -> None:
+        super().__init__(config=config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return scatter_to_tensor_model_parallel_region(x)
+
+
+class NonlinearQuery(MegatronModule):
+    """Q(x) = mix * x + (1 - mix) * LN(W2 act(W1 RMSNorm(x))), W1: d -> r (column-parallel),
+    W2: r -> d (row-parallel, all-reduced so the LayerNorm sees the full vector)."""
+
+    def __init__(self, config: TransformerConfig, rank: int, activation: str, mix: float, **_unused) -> None:
+        super().__init__(config=config)
+        d, eps = config.hidden_size, config.layernorm_epsilon
+        self.mix = mix
+        self.activation = ACTIVATIONS[activation]
+        self.norm_in = torch.nn.RMSNorm(d, eps=eps, dtype=config.params_dtype)
+        self.w1 = ColumnParallelLinear(
+            d, rank, config=config, init_method=config.init_method, bias=config.add_bias_linear,
+            gather_output=False, skip_bias_add=False, is_expert=False,
+        )
+        self.w2 = RowParallelLinear(
+            rank, d, config=config, init_method=config.init_method, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=False, is_expert=False,
+        )
+        self.norm_out = torch.nn.LayerNorm(d, eps=eps, dtype=config.params_dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, _ = self.w1(self.norm_in(x))
+        f, _ = self.w2(self.activation(h))
+        q = self.mix * x + (1.0 - self.mix) * self.norm_out(f)
+        return scatter_to_tensor_model_parallel_region(q)

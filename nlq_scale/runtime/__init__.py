@@ -1,0 +1,1 @@
+"""torch.distributed + megatron parallel_state setup, and the CPU shim for megatron-core."""

@@ -1,0 +1,115 @@
+"""CPU runtime shim for megatron-core 0.16 (and DeepSpeed's use of it): the only place where CUDA
+assumptions are bent. `apply()` is a no-op when CUDA is available, so GPU code paths are untouched.
+
+Every patch names the megatron call site that needs it. Patches are idempotent.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import torch
+
+# Tensor factories megatron calls with device='cuda' or pin_memory=True on CPU-only machines.
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like", "ones_like")
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def _cpu_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    torch.set_rng_state(state)
+
+
+def _cpu_manual_seed(seed: int, *_args: Any, **_kwargs: Any) -> None:
+    torch.manual_seed(seed)
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True  # a bare index means a CUDA ordinal in torch's factory API
+    return torch.device(device).type == "cuda"
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _CpuTorch:
+    """Stands in for the `torch` name inside one megatron module: factories land on CPU,
+    everything else is torch itself."""
+
+    def __init__(self) -> None:
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _tensor_cuda_to_self(self: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return self
+
+
+def _patch_module_torch(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    if not isinstance(module.torch, _CpuTorch):
+        module.torch = _CpuTorch()
+
+
+# Megatron modules whose tensor factories hard-code device='cuda' / pin_memory=True.
+_FACTORY_CALL_SITES = (
+    "megatron.core.optimizer.optimizer",  # found_inf / grad-norm buffers on 'cuda'
+    "megatron.core.optimizer.clip_grads",  # total_norm and dummy overflow buffers on 'cuda'
+    "megatron.core.optimizer.distrib_optimizer",  # gbuf views, save buffers on current_device
+    "megatron.core.utils",  # get_model_config / global memory buffer allocations
+    "megatron.core.pipeline_parallel.schedules",  # p2p recv buffers and loss accumulators
+    "megatron.core.pipeline_parallel.p2p_communication",  # recv tensors on current_device
+    "megatron.core.distributed.finalize_model_grads",  # num_tokens / grad norms on 'cuda'
+    "megatron.core.distributed.param_and_grad_buffer",  # warm-up tensor on 'cuda'
+    "megatron.core.transformer.utils",  # default causal mask on 'cuda'
+    "megatron.core.transformer.moe.moe_utils",  # aux-loss trackers on 'cuda'
+    "megatron.core.tensor_parallel.data",  # broadcast sizes on 'cuda'
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # save-plan reuse flag on 'cuda'
+)
+
+
+def apply() -> None:
+    """Patch torch.cuda and megatron-core so they run on CPU. Call before building any model."""
+    if not needed() or getattr(torch.cuda, "_nlq_cpu_shim", False):
+        return
+    # megatron.core.tensor_parallel.layers / random: weights and RNG trackers ask for the device.
+    torch.cuda.current_device = lambda: "cpu"
+    # megatron.core.tensor_parallel.random.CudaRNGStatesTracker forks "CUDA" RNG states.
+    for ns in (torch.cuda, torch.cuda.random):
+        ns.get_rng_state = _cpu_rng_state
+        ns.set_rng_state = _set_cpu_rng_state
+        ns.manual_seed = _cpu_manual_seed
+    # megatron.core timers, schedules and checkpointing call synchronize between phases.
+    torch.cuda.synchronize = lambda *a, **k: None
+    # Tensor.cuda(): language_module.py (PP + tied embeddings), distrib_optimizer.py on save.
+    torch.Tensor.cuda = _tensor_cuda_to_self
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = _cpu_rng_state
+    mp_random._set_cuda_rng_state = _set_cpu_rng_state
+    for name in _FACTORY_CALL_SITES:
+        _patch_module_torch(name)
+    torch.cuda._nlq_cpu_shim = True

@@ -1,0 +1,157 @@
+"""torch.distributed + megatron parallel_state from whatever launched us: torchrun (or submitit's
+TorchDistributedEnvironment export), a bare `srun`, or nothing (one process).
+gloo on CPU, nccl on GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import zlib
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from nlq_scale.config.schema import ParallelConfig
+from nlq_scale.runtime import cpu_shim
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    num_nodes: int
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()[0]
+
+
+def detect_env() -> DistEnv:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, submitit export, our --nproc launcher
+        world = int(env["WORLD_SIZE"])
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # plain srun, one task per rank
+        job = env.get("SLURM_JOB_ID", "0")
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=int(env.get("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS"]).split("(")[0]),
+            master_addr=_first_slurm_host(env["SLURM_JOB_NODELIST"]),
+            # Every task derives the same port from the job id, so no rendezvous is needed.
+            master_port=20000 + zlib.crc32(job.encode()) % 20000,
+        )
+    return DistEnv(0, 1, 0, 1, "127.0.0.1", free_port())
+
+
+def export_env(env: DistEnv) -> None:
+    """Make the env visible to libraries that read it (megatron checkpointing, DeepSpeed)."""
+    os.environ.update(
+        RANK=str(env.rank),
+        WORLD_SIZE=str(env.world_size),
+        LOCAL_RANK=str(env.local_rank),
+        LOCAL_WORLD_SIZE=str(env.local_world_size),
+        MASTER_ADDR=env.master_addr,
+        MASTER_PORT=str(env.master_port),
+    )
+
+
+def init_distributed(env: DistEnv, parallel: ParallelConfig, timeout_min: int = 30) -> Layout:
+    from megatron.core import parallel_state as ps
+
+    cpu_shim.apply()
+    export_env(env)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(minutes=timeout_min),
+        )
+    if env.world_size % (parallel.tp * parallel.pp):
+        raise ValueError(f"world size {env.world_size} not divisible by tp*pp = {parallel.tp * parallel.pp}")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        expert_model_parallel_size=parallel.ep,
+        distributed_timeout_minutes=timeout_min,
+    )
+    return Layout(
+        world_size=env.world_size,
+        num_nodes=env.num_nodes,
+        tp=parallel.tp,
+        pp=parallel.pp,
+        ep=parallel.ep,
+        dp=ps.get_data_parallel_world_size(),
+        rank=env.rank,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def teardown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(parallel: ParallelConfig, env: DistEnv | None = None) -> Iterator[Layout]:
+    """Init torch.distributed + megatron parallel state for the duration of the block."""
+    layout = init_distributed(env or detect_env(), parallel)
+    try:
+        yield layout
+    finally:
+        teardown()

@@ -1,0 +1,1 @@
+"""Engines (megatron, DeepSpeed), the train loop, schedules, checkpoints and metrics."""
