@@ -152,8 +152,11 @@ class Comparison:
 
     @property
     def arms(self) -> list[str]:
-        others = sorted({arm for arm, _ in self.cells} - {self.reference})
-        return [self.reference, *others]
+        return reference_first(self.cells, self.reference)
+
+
+def reference_first(cells: dict[tuple[str, str], Cell], reference: str) -> list[str]:
+    return [reference, *sorted({arm for arm, _ in cells} - {reference})]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,16 +176,15 @@ def compare(runs: list[Run], options: Options) -> Comparison:
     reference = choose_reference(options.reference, {arm for arm, _ in cells})
     rng = np.random.default_rng(options.seed)
     for key in sorted(cells):
-        cells[key].boot = stats.resample_means(cells[key].losses, options.resamples, rng)
+        cells[key].boot = stats.resample_means(cells[key].losses, options.resamples, rng, options.level)
     scales = order_scales(cells)
-    arms = sorted({arm for arm, _ in cells})
-    gaps = [g for arm in arms if arm != reference for g in arm_gaps(cells, reference, arm, scales, options)]
+    arms = reference_first(cells, reference)
+    others = arms[1:]
+    gaps = [g for arm in others for g in arm_gaps(cells, reference, arm, scales, options)]
     arm_fits = [fit_arm(cells, arm, scales, axis, options) for arm in arms for axis in ("compute", "params")]
-    ref_fit = next(f for f in arm_fits if f.arm == reference and f.axis == "compute")
-    multipliers = [
-        m for arm in arms if arm != reference for m in compute_multipliers(cells, ref_fit, arm, scales, options)
-    ]
-    trends = [gap_trend(cells, gaps, reference, arm, scales, options) for arm in arms if arm != reference]
+    ref_fit = arm_fits[0]  # the reference, on compute
+    multipliers = [m for arm in others for m in compute_multipliers(cells, ref_fit, arm, scales, options)]
+    trends = [gap_trend(cells, gaps, reference, arm, scales, options) for arm in others]
     return Comparison(options, reference, verdicts, scales, cells, gaps, arm_fits, multipliers, trends)
 
 
@@ -192,7 +194,7 @@ def judge(run: Run, options: Options) -> RunVerdict:
     if not run.has_val:
         if run.state == "completed":
             raise UsageError(f"{run.source}: completed run has no val/loss records")
-        return RunVerdict(run, False, "no val/loss yet", divergence, spikes)
+        return RunVerdict(run, False, f"no val/loss (state {run.state})", divergence, spikes)
     if divergence is not None:
         return RunVerdict(run, False, f"diverged ({divergence.kind} at step {divergence.step})", divergence, spikes)
     if run.state != "completed" and not options.include_incomplete:
@@ -262,22 +264,19 @@ def arm_gaps(cells, reference: str, arm: str, scales: list[str], options: Option
             continue
         x, r = cells[(arm, scale)], cells[(reference, scale)]
         note = _seed_note([x, r])
-        diff = r.boot - x.boot
-        out.append(
-            Gap(
-                arm,
-                scale,
-                Estimate(r.mean - x.mean, None if note else stats.percentile_ci(diff, options.level), note),
-                Estimate(
-                    100 * (r.mean - x.mean) / r.mean,
-                    None if note else stats.percentile_ci(100 * diff / r.boot, options.level),
-                    note,
-                ),
-                x.n,
-                r.n,
-            )
-        )
+
+        def interval(samples: np.ndarray) -> tuple[float, float] | None:
+            return None if note else stats.percentile_ci(samples, options.level)
+
+        absolute = Estimate(r.mean - x.mean, interval(r.boot - x.boot), note)
+        relative = Estimate(improvement_pct(r.mean, x.mean), interval(improvement_pct(r.boot, x.boot)), note)
+        out.append(Gap(arm, scale, absolute, relative, x.n, r.n))
     return out
+
+
+def improvement_pct(ref_loss, arm_loss):
+    """100 (L_ref - L_arm) / L_ref: positive when the arm's loss is lower. Works on arrays too."""
+    return 100 * (ref_loss - arm_loss) / ref_loss
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,9 +298,9 @@ def fit_arm(cells, arm: str, scales: list[str], axis: Axis, options: Options) ->
     try:
         law = fits.fit_power_law(x, y)
     except fits.NotIdentifiable as e:
-        return ArmFit(arm, axis, None, _join(f"not identifiable: {e}", missing))
+        return ArmFit(arm, axis, None, join_notes(f"not identifiable: {e}", missing))
     exact = "3 points for 3 parameters: exact interpolation, no residual check" if len(usable) == 3 else ""
-    note = _join(missing, exact)
+    note = join_notes(missing, exact)
     seed_note = _seed_note(usable)
     if seed_note:
         return ArmFit(arm, axis, law, note, Estimate(law.alpha, None, seed_note), Estimate(law.E, None, seed_note))
@@ -317,7 +316,7 @@ def fit_arm(cells, arm: str, scales: list[str], axis: Axis, options: Options) ->
     )
 
 
-def _join(*notes: str) -> str:
+def join_notes(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
 
 
@@ -352,11 +351,11 @@ def _multiplier_estimate(value: float, cell: Cell, ref_cells: list[Cell], option
     beyond = "the arm's loss is below the reference fit's asymptote E" if math.isinf(value) else ""
     seed_note = _seed_note([cell, *ref_cells])
     if seed_note:
-        return Estimate(_finite_or_none(value), None, _join(beyond, seed_note))
+        return Estimate(_finite_or_none(value), None, join_notes(beyond, seed_note))
     x = np.array([c.compute for c in ref_cells])
     E, A, alpha, ok = fits.fit_power_law_batch(x, np.stack([c.boot for c in ref_cells], axis=1))
     boot = np.where(ok, fits.inverse_batch(E, A, alpha, cell.boot) / cell.compute, np.nan)
-    return Estimate(_finite_or_none(value), stats.percentile_ci(boot, options.level), _join(beyond, _failure_note(ok)))
+    return Estimate(_finite_or_none(value), stats.percentile_ci(boot, options.level), join_notes(beyond, _failure_note(ok)))
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -380,15 +379,15 @@ def gap_trend(cells, gaps: list[Gap], reference: str, arm: str, scales: list[str
         why = f"{len(usable)} scale(s) with a gap and a known {axis}; a slope needs 2"
         return Trend(arm, axis, len(usable), None, None, None, None, why)
     logx = np.log10([r.axis_value(axis) for _, r in usable])
-    pct = np.array([100 * (r.mean - x.mean) / r.mean for x, r in usable])
+    pct = np.array([improvement_pct(r.mean, x.mean) for x, r in usable])
     slope = float(stats.ols_slope(logx, pct[None, :])[0])
     seed_note = _seed_note([c for pair in usable for c in pair])
     ci_boot = None
     if not seed_note:
-        boot_pct = np.stack([100 * (r.boot - x.boot) / r.boot for x, r in usable], axis=1)
+        boot_pct = np.stack([improvement_pct(r.boot, x.boot) for x, r in usable], axis=1)
         ci_boot = stats.percentile_ci(stats.ols_slope(logx, boot_pct), options.level)
     ci_resid = stats.ols_slope_ci(logx, pct, options.level)
     verdicts = [stats.excludes_zero(ci) for ci in (ci_boot, ci_resid) if ci is not None]
     distinguishable = all(verdicts) if verdicts else None
     two = "2 scales: the line passes through both points, so lack of fit cannot be checked" if ci_resid is None else ""
-    return Trend(arm, axis, len(usable), slope, ci_boot, ci_resid, distinguishable, _join(seed_note, two))
+    return Trend(arm, axis, len(usable), slope, ci_boot, ci_resid, distinguishable, join_notes(seed_note, two))

@@ -25,9 +25,11 @@ from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
 
 METRICS = "metrics.jsonl"
+STATUS = "status.json"
 VAL_KEY = "val/loss"
 TRAIN_KEY = "train/loss"
 WANDB_PREFIX = "wandb:"
+RUN_STATES = ("pending", "running", "preempted", "diverged", "completed", "failed")
 # W&B's run states (wandb.apis.public.Run.state) in the run directory's vocabulary.
 WANDB_STATES = {"finished": "completed", "failed": "failed", "crashed": "failed", "killed": "failed"}
 
@@ -100,24 +102,31 @@ def load_runs(roots: Iterable[str]) -> list[Run]:
 def _load_local(root: Path) -> list[Run]:
     if not root.exists():
         raise UsageError(f"{root}: no such file or directory")
-    if root.is_file():
-        if root.suffix == ".wandb":
-            return [load_wandb_offline(root)]
+    if root.is_file() and root.suffix != ".wandb":
         raise UsageError(f"{root}: not a directory or .wandb file (import CSV logs with `nlq-scale import-csv`)")
-    return [load_run_dir(p) if (p / METRICS).is_file() else load_wandb_offline(p) for p in _run_paths(root)]
+    if root.is_file():
+        return load_wandb_offline([root])
+    found = list(_run_paths(root))
+    run_dirs = [p for p, is_run_dir in found if is_run_dir]
+    return [load_run_dir(p) for p in run_dirs] + load_wandb_offline([p for p, is_run_dir in found if not is_run_dir])
 
 
-def _run_paths(root: Path) -> Iterator[Path]:
-    """Run directories, and W&B run directories that are not the mirror inside a run directory."""
+def _run_paths(root: Path) -> Iterator[tuple[Path, bool]]:
+    """(path, True) for run directories, (path, False) for W&B run directories that are not the
+    mirror inside a run directory."""
     for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        if METRICS in filenames:
+        if _is_run_dir(filenames):
             dirnames.clear()  # its wandb/ subdirectory mirrors the same run
-            yield here
+            yield Path(dirpath), True
         elif any(f.startswith("run-") and f.endswith(".wandb") for f in filenames):
             dirnames.clear()
-            yield here
+            yield Path(dirpath), False
         dirnames.sort()
+
+
+def _is_run_dir(filenames: list[str]) -> bool:
+    """metrics.jsonl, or (pending, or failed before its first record) config.yaml + status.json."""
+    return METRICS in filenames or {"config.yaml", STATUS} <= set(filenames)
 
 
 def _reject_duplicates(runs: list[Run]) -> None:
@@ -148,9 +157,10 @@ def load_run_dir(path: Path) -> Run:
         raise UsageError(f"{cfg_path}: expected a mapping")
     cfg = build_run_config(raw_cfg, str(cfg_path))
     manifest = _read_json(path / "manifest.json", required=False) or {}
-    status = _read_json(path / "status.json", required=False) or {}
+    status = _read_json(path / STATUS, required=False) or {}
     state = str(status.get("state") or "unknown")
-    return build_run(cfg, read_metrics(path / METRICS), state, manifest, source=str(path), run_id=cfg.name or path.name)
+    records = read_metrics(path / METRICS) if (path / METRICS).is_file() else []
+    return build_run(cfg, records, state, manifest, source=str(path), run_id=cfg.name or path.name)
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
@@ -255,6 +265,10 @@ def _first_nonfinite_step(records: list[dict[str, Any]], key: str) -> int | None
     return min(bad) if bad else None
 
 
+def _is_training_config(raw: dict[str, Any]) -> bool:
+    return isinstance(raw.get("model"), dict)
+
+
 def _config_from_mapping(raw: dict[str, Any], source: str) -> RunConfig:
     """A W&B config holds the RunConfig dump plus W&B's own keys (`_wandb`, ...): keep ours."""
     ours = {k: v for k, v in raw.items() if k in RunConfig.model_fields}
@@ -265,18 +279,48 @@ def _config_from_mapping(raw: dict[str, Any], source: str) -> RunConfig:
 # W&B
 
 
-def load_wandb_offline(path: Path) -> Run:
-    """An offline W&B run (its directory or .wandb file), read with `wandb leet inspect`."""
+@dataclass(frozen=True)
+class _WandbSegment:
+    """One offline W&B run directory. A resumed run (same W&B id) leaves one segment per attempt."""
+
+    path: Path
+    wandb_id: str
+    started: str
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+
+
+def load_wandb_offline(paths: list[Path]) -> list[Run]:
+    """Offline W&B runs (run directories or .wandb files), read with `wandb leet inspect`. Segments
+    of one resumed run are joined in start order (a replayed step keeps the later value). W&B runs
+    that are not training runs (no `model` in the config, e.g. `compare --wandb`'s own) are skipped."""
+    by_id: dict[str, list[_WandbSegment]] = {}
+    for path in paths:
+        seg = _read_segment(path)
+        if seg is not None:
+            by_id.setdefault(seg.wandb_id, []).append(seg)
+    return [_join_segments(sorted(segs, key=lambda s: s.started)) for _, segs in sorted(by_id.items())]
+
+
+def _read_segment(path: Path) -> _WandbSegment | None:
     summary = json.loads(_leet(path, "--summary", "--json"))
+    if not _is_training_config(summary.get("config") or {}):
+        return None
     records = []
     for line in _leet(path, "--json").splitlines():
         rec = json.loads(line)
         if rec.get("type") == "history":
             records.append(_wandb_row(rec["history"]["item"]))
-    state = _wandb_state(summary.get("state"), summary.get("exit_code"))
-    cfg = _config_from_mapping(summary.get("config") or {}, str(path))
-    run_id = cfg.name or str(summary.get("run_id") or path.name)
-    return build_run(cfg, [r for r in records if "step" in r], state, {}, source=str(path), run_id=run_id)
+    wandb_id = str(summary.get("run_id") or path)
+    return _WandbSegment(path, wandb_id, str(summary.get("start_time") or ""), summary, records)
+
+
+def _join_segments(segments: list[_WandbSegment]) -> Run:
+    last = segments[-1]
+    cfg = _config_from_mapping(last.summary.get("config") or {}, str(last.path))
+    state = _wandb_state(last.summary.get("summary") or {}, last.summary.get("state"), last.summary.get("exit_code"))
+    records = [r for seg in segments for r in seg.records]
+    return build_run(cfg, records, state, {}, source=str(last.path), run_id=cfg.name or last.wandb_id)
 
 
 def _leet(path: Path, *flags: str) -> str:
@@ -290,18 +334,21 @@ def _leet(path: Path, *flags: str) -> str:
 
 
 def _wandb_row(item: dict[str, Any]) -> dict[str, Any]:
-    """W&B writes non-finite numbers as the strings NaN/Infinity/-Infinity."""
+    """A history row in metrics.jsonl's shape. The train loop logs with `step=` (W&B's `_step`)
+    rather than a `step` key; W&B writes non-finite numbers as the strings NaN/Infinity/-Infinity."""
     row = {k: v for k, v in item.items() if not k.startswith("_")}
     for key in (VAL_KEY, TRAIN_KEY):
         if isinstance(row.get(key), str):
             row[key] = float(row[key])
-    if "step" not in row and "_step" in item:
-        row["step"] = item["_step"]
+    row.setdefault("step", item.get("_step", 0))
     return row
 
 
-def _wandb_state(state: Any, exit_code: Any = None) -> str:
-    state = str(state or "unknown").lower()
+def _wandb_state(run_summary: dict[str, Any], wandb_state: Any, exit_code: Any = None) -> str:
+    """The train loop's own final state (it writes summary["state"]), else W&B's run state."""
+    if run_summary.get("state") in RUN_STATES:
+        return str(run_summary["state"])
+    state = str(wandb_state or "unknown").lower()
     if state == "finished" and exit_code not in (None, 0):
         return "failed"
     return WANDB_STATES.get(state, state)
@@ -316,8 +363,11 @@ def _load_online(project: str) -> list[Run]:
         raise UsageError(f"{WANDB_PREFIX}{project}: cannot list W&B runs ({e})") from None
     runs = []
     for r in api_runs:
+        if not _is_training_config(dict(r.config)):
+            continue
         source = f"{WANDB_PREFIX}{project}/{r.id}"
-        records = [_wandb_row(row) for row in r.scan_history(keys=[VAL_KEY, "step", "tokens"])]
+        records = [_wandb_row(row) for row in r.scan_history(keys=["_step", VAL_KEY, "tokens"])]
         cfg = _config_from_mapping(dict(r.config), source)
-        runs.append(build_run(cfg, records, _wandb_state(r.state), {}, source=source, run_id=cfg.name or r.id))
+        state = _wandb_state(dict(r.summary), r.state)
+        runs.append(build_run(cfg, records, state, {}, source=source, run_id=cfg.name or r.id))
     return runs

@@ -45,6 +45,16 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _scalar(raw: str) -> Any:
+    """A command-line value: numbers as numbers (PyYAML reads `1e-3` as a string), else YAML."""
+    for number in (int, float):
+        try:
+            return number(raw)
+        except ValueError:
+            pass
+    return yaml.safe_load(raw) if raw != "" else None
+
+
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     """`a.b=1` strings into a nested dict; values are parsed as YAML scalars (1, 1e-3, true, [1,2])."""
     out: dict[str, Any] = {}
@@ -53,7 +63,7 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         if not sep or not key or any(not part for part in key.split(".")):
             raise UsageError(f"override {item!r}: expected key.path=value")
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
+            value = _scalar(raw)
         except yaml.YAMLError:
             raise UsageError(f"override {item!r}: value is not valid YAML") from None
         node = out

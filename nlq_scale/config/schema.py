@@ -115,6 +115,9 @@ class ParallelConfig(Strict):
     pp: PositiveInt = Field(1, description="pipeline-parallel size")
     ep: PositiveInt = Field(1, description="expert-parallel size (MoE)")
     sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="activation recomputation (megatron recompute_granularity); the planner assumes it"
+    )
 
 
 class StreamConfig(Strict):

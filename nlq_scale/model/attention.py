@@ -59,7 +59,7 @@ class QueryVariantAttention(Attention):
             cp_comm_type=cp_comm_type,
             pg_collection=pg_collection,
         )
-        self.query = build_module(submodules.query, config=self.config)
+        self.query = build_module(submodules.query, config=self.config, tp_group=self.pg_collection.tp)
         self.linear_kv = build_module(
             submodules.linear_kv,
             self.config.hidden_size,
@@ -110,20 +110,21 @@ class PreprojAttention(SelfAttention):
 
     def __init__(self, config: TransformerConfig, submodules: PreprojSubmodules, layer_number: int, **kwargs) -> None:
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
-        d, r = config.hidden_size, submodules.rank
+        d, r, tp_group = config.hidden_size, submodules.rank, self.pg_collection.tp
         self.activation = ACTIVATIONS[submodules.activation]
         self.pre_norm = torch.nn.RMSNorm(d, eps=config.layernorm_epsilon, dtype=config.params_dtype)
         self.w_up = ColumnParallelLinear(
             d, r, config=config, init_method=config.init_method, bias=config.add_bias_linear,
-            gather_output=False, skip_bias_add=False, is_expert=False,
+            gather_output=False, skip_bias_add=False, is_expert=False, tp_group=tp_group,
         )
         self.w_down = RowParallelLinear(
             r, d, config=config, init_method=config.init_method, bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=False, is_expert=False,
+            input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_group=tp_group,
         )
         self.w_skip = RowParallelLinear(
             d, d, config=config, init_method=init_method_normal(submodules.skip_init_std),
             bias=config.add_bias_linear, input_is_parallel=False, skip_bias_add=False, is_expert=False,
+            tp_group=tp_group,
         )
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:

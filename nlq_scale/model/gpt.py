@@ -67,7 +67,9 @@ def transformer_config(m: ModelConfig, p: ParallelConfig) -> TransformerConfig:
         num_moe_experts=m.moe.num_experts,
         moe_router_topk=m.moe.router_topk,
         moe_aux_loss_coeff=m.moe.aux_loss_coeff,
-        moe_token_dispatcher_type="alltoall",
+        # The all-to-all dispatcher needs CUDA streams; the all-gather one runs on CPU (and is fine
+        # for EP within a node).
+        moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
         params_dtype=dtype,
         bf16=m.bf16,
         pipeline_dtype=dtype,

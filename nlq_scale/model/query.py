@@ -38,7 +38,9 @@ class NonlinearQuery(MegatronModule):
     """Q(x) = mix * x + (1 - mix) * LN(W2 act(W1 RMSNorm(x))), W1: d -> r (column-parallel),
     W2: r -> d (row-parallel, all-reduced so the LayerNorm sees the full vector)."""
 
-    def __init__(self, config: TransformerConfig, rank: int, activation: str, mix: float, **_unused) -> None:
+    def __init__(
+        self, config: TransformerConfig, rank: int, activation: str, mix: float, tp_group=None, **_unused
+    ) -> None:
         super().__init__(config=config)
         d, eps = config.hidden_size, config.layernorm_epsilon
         self.mix = mix
@@ -46,11 +48,11 @@ class NonlinearQuery(MegatronModule):
         self.norm_in = torch.nn.RMSNorm(d, eps=eps, dtype=config.params_dtype)
         self.w1 = ColumnParallelLinear(
             d, rank, config=config, init_method=config.init_method, bias=config.add_bias_linear,
-            gather_output=False, skip_bias_add=False, is_expert=False,
+            gather_output=False, skip_bias_add=False, is_expert=False, tp_group=tp_group,
         )
         self.w2 = RowParallelLinear(
             rank, d, config=config, init_method=config.init_method, bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=False, is_expert=False,
+            input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_group=tp_group,
         )
         self.norm_out = torch.nn.LayerNorm(d, eps=eps, dtype=config.params_dtype)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from typing import Any
 
 import torch
@@ -67,6 +68,32 @@ def _tensor_cuda_to_self(self: torch.Tensor, *_args: Any, **_kwargs: Any) -> tor
     return self
 
 
+# Modules that test `tensor.type() == 'torch.cuda.FloatTensor'` (and Half/BFloat16) to pick a code path.
+_TYPE_STRING_CALL_SITES = frozenset(
+    {
+        "megatron.core.optimizer.distrib_optimizer",  # _build_model_and_main_param_groups
+        "megatron.core.optimizer.optimizer",  # Float16OptimizerWithFloat16Params
+        "megatron.core.optimizer.clip_grads",  # clip_grad_by_total_norm_fp32 asserts cuda grads
+    }
+)
+
+
+def _cuda_type_names(original):
+    """Tensor.type() answers as if on CUDA, but only to the megatron call sites above."""
+
+    @functools.wraps(original)
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any):
+        result = original(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return result
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller in _TYPE_STRING_CALL_SITES:
+            return result.replace("torch.", "torch.cuda.", 1)
+        return result
+
+    return type_
+
+
 def _patch_module_torch(module_name: str) -> None:
     module = importlib.import_module(module_name)
     if not isinstance(module.torch, _CpuTorch):
@@ -105,6 +132,7 @@ def apply() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     # Tensor.cuda(): language_module.py (PP + tied embeddings), distrib_optimizer.py on save.
     torch.Tensor.cuda = _tensor_cuda_to_self
+    torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
 
     from megatron.core.tensor_parallel import random as mp_random
 
@@ -112,4 +140,10 @@ def apply() -> None:
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
     for name in _FACTORY_CALL_SITES:
         _patch_module_torch(name)
+    # moe_utils.RouterGatingLinearFunction tests `te_general_gemm is not None`, but the name is
+    # never bound when Transformer Engine is absent (NameError): bind it to None.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     torch.cuda._nlq_cpu_shim = True

@@ -1,0 +1,179 @@
+"""Sub-commands `import-csv`, `compare` and `fit`. Kept light: numpy, scipy, matplotlib and wandb
+are imported inside the handlers."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nlq_scale.errors import UsageError
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("import-csv", help="turn a CSV training log into a run directory")
+    p.add_argument("file", type=Path, help="CSV with columns step, val_loss [, train_loss, tokens]")
+    p.add_argument("--arm", required=True, help="arm label, e.g. linear, nonlinear, linear-mlp4.75")
+    p.add_argument("--scale", required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--lr", type=float, help="learning rate (for picking each arm's best lr)")
+    p.add_argument("--params", type=int, help="non-embedding parameters N (compute = 6 N tokens)")
+    p.add_argument("--tokens-per-step", type=int, help="tokens = step x this, when the CSV has no tokens column")
+    p.add_argument("--out", type=Path, required=True, help="root; the run goes to OUT/imported/<run_id>/")
+    p.set_defaults(func=_import_csv)
+
+    p = sub.add_parser("compare", help="compare arms across scales: statistics, fits, report")
+    p.add_argument("roots", nargs="+", help="run-directory roots, W&B run dirs/.wandb files, or wandb:ENTITY/PROJECT")
+    p.add_argument("--reference", help="reference arm (default: linear if present)")
+    p.add_argument("--out", type=Path, help="report directory (default: ROOT/report)")
+    p.add_argument("--json", action="store_true", help="print summary.json on stdout")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples over seeds (default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap random seed (default 0)")
+    p.add_argument("--include-incomplete", action="store_true", help="also use runs that are not completed")
+    p.add_argument("--divergence-margin", type=float, default=0.5,
+                   help="val loss this far above its running best (nats) is a spike or a blow-up (default 0.5)")
+    p.add_argument("--trend-axis", choices=("compute", "params"), default="compute",
+                   help="regress the improvement on log compute or log params (default compute)")
+    p.add_argument("--wandb", action="store_true", help="also log the tables and plots to a W&B run")
+    p.add_argument("--wandb-project", default="nlq-scale")
+    p.set_defaults(func=_compare)
+
+    p = sub.add_parser("fit", help="Chinchilla approach-3 fit L(N, D) = E + A/N^a + B/D^b from a CSV")
+    p.add_argument("--csv", type=Path, required=True)
+    p.add_argument("--params-col", required=True)
+    cols = p.add_mutually_exclusive_group(required=True)
+    cols.add_argument("--tokens-col")
+    cols.add_argument("--flops-col", help="training FLOPs; tokens = FLOPs / (6 N)")
+    p.add_argument("--loss-col", required=True)
+    p.add_argument("--drop-highest", type=int, default=0, help="drop the K highest-loss points")
+    p.add_argument("--bootstrap", type=int, default=0, help="resample points B times for CIs (default 0 = none)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap random seed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_fit)
+
+
+def _positive(value: int | float | None, flag: str) -> None:
+    if value is not None and value <= 0:
+        raise UsageError(f"{flag}: must be positive, got {value}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _import_csv(args: argparse.Namespace) -> int:
+    from nlq_scale.analysis.csvio import ImportSpec, import_csv
+
+    for value, flag in ((args.lr, "--lr"), (args.params, "--params"), (args.tokens_per_step, "--tokens-per-step")):
+        _positive(value, flag)
+    spec = ImportSpec(args.file, args.arm, args.scale, args.seed, args.out, args.lr, args.params, args.tokens_per_step)
+    print(import_csv(spec))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from nlq_scale.analysis.compare import Options, compare
+    from nlq_scale.analysis.report import summary, write_report
+    from nlq_scale.analysis.runs import load_runs
+    from nlq_scale.cli import emit_json
+
+    _positive(args.bootstrap, "--bootstrap")
+    _positive(args.divergence_margin, "--divergence-margin")
+    options = Options(
+        reference=args.reference,
+        resamples=args.bootstrap,
+        seed=args.seed,
+        include_incomplete=args.include_incomplete,
+        divergence_margin=args.divergence_margin,
+        trend_axis=args.trend_axis,
+    )
+    comp = compare(load_runs(args.roots), options)
+    out = args.out or _default_out(args.roots[0])
+    paths = write_report(comp, out)
+    if args.wandb:
+        from nlq_scale.analysis.report import log_to_wandb
+
+        log_to_wandb(comp, paths, args.wandb_project)
+    if args.json:
+        emit_json(summary(comp, {stem: str(p) for stem, p in paths.plots.items()}))
+    else:
+        print(f"report:  {paths.report}")
+        print(f"summary: {paths.summary}")
+        for path in paths.plots.values():
+            print(f"plot:    {path}")
+    return 0
+
+
+def _default_out(root: str) -> Path:
+    path = Path(root)
+    return path / "report" if path.is_dir() else Path("nlq-scale-report")
+
+
+def _fit(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from nlq_scale.analysis import fits
+    from nlq_scale.analysis.csvio import complete_column, read_csv_columns
+    from nlq_scale.cli import emit_json
+
+    if args.drop_highest < 0 or args.bootstrap < 0:
+        raise UsageError("--drop-highest and --bootstrap must be >= 0")
+    x_col = args.tokens_col or args.flops_col
+    cols = read_csv_columns(args.csv, [args.params_col, x_col, args.loss_col])
+    N, X, L = (np.array(complete_column(cols[c], args.csv, c)) for c in (args.params_col, x_col, args.loss_col))
+    for name, values in ((args.params_col, N), (x_col, X), (args.loss_col, L)):
+        if not np.all(np.isfinite(values)) or np.any(values <= 0):
+            raise UsageError(f"{args.csv}: column {name} must be positive and finite on every row")
+    if args.drop_highest >= len(L):
+        raise UsageError(f"--drop-highest {args.drop_highest}: the CSV has only {len(L)} rows")
+    keep = np.sort(np.argsort(L, kind="stable")[: len(L) - args.drop_highest])
+    D = X if args.tokens_col else X / (6 * N)
+    try:
+        fit = fits.fit_chinchilla(N[keep], D[keep], L[keep])
+    except fits.NotIdentifiable as e:
+        raise UsageError(f"{args.csv}: {e}") from None
+    result = {
+        "csv": str(args.csv),
+        "model": "L(N, D) = E + A / N^alpha + B / D^beta",
+        "tokens": "column " + args.tokens_col if args.tokens_col else f"{args.flops_col} / (6 N)",
+        "n_points": int(keep.size),
+        "dropped_highest": args.drop_highest,
+        "huber_delta": fits.HUBER_DELTA,
+        "fit": fit.as_dict(),
+        "bootstrap": _chinchilla_cis(fit, N[keep], D[keep], L[keep], args.bootstrap, args.seed),
+    }
+    if args.json:
+        emit_json(result)
+    else:
+        _print_fit(result)
+    return 0
+
+
+PARAMS = ("E", "A", "B", "alpha", "beta")
+
+
+def _chinchilla_cis(fit, N, D, L, resamples: int, seed: int) -> dict | None:
+    import numpy as np
+
+    from nlq_scale.analysis import fits
+
+    if resamples == 0:
+        return None
+    boots = fits.bootstrap_chinchilla(N, D, L, fit, resamples, seed)
+    table = np.array([[getattr(b, k) for k in PARAMS] for b in boots])
+    lo, hi = np.percentile(table, [2.5, 97.5], axis=0)
+    return {
+        "resamples": resamples,
+        "seed": seed,
+        "ci95": {k: [float(lo[i]), float(hi[i])] for i, k in enumerate(PARAMS)},
+        "std": {k: float(table[:, i].std(ddof=1)) for i, k in enumerate(PARAMS)},
+    }
+
+
+def _print_fit(result: dict) -> None:
+    fit, boot = result["fit"], result["bootstrap"]
+    print(f"{result['model']}  ({result['n_points']} points, {result['dropped_highest']} highest dropped, "
+          f"tokens = {result['tokens']})")
+    for k in PARAMS:
+        ci = "" if boot is None else f"  95% CI [{boot['ci95'][k][0]:.4g}, {boot['ci95'][k][1]:.4g}]"
+        print(f"  {k:<6}{fit[k]:.4g}{ci}")
+    if boot is not None:
+        print(f"  ({boot['resamples']} bootstrap resamples of the points, seed {boot['seed']})")

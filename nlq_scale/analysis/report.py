@@ -1,0 +1,352 @@
+"""report.md + PNGs + summary.json from a Comparison. Each file is written to a temporary name and
+renamed into place, so an interrupted report never leaves a half-written file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nlq_scale.analysis.compare import ArmFit, Cell, Comparison, Estimate, Gap, Multiplier, Trend, join_notes
+
+SUMMARY_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    report: Path
+    summary: Path
+    plots: dict[str, Path]
+
+
+# ---------------------------------------------------------------------------------------------
+# summary.json
+
+
+def _num(value: Any) -> Any:
+    """JSON has no NaN/inf: those become null (the accompanying note says why)."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _ci(ci: tuple[float, float] | None) -> list | None:
+    return None if ci is None else [_num(ci[0]), _num(ci[1])]
+
+
+def _estimate(e: Estimate | None) -> dict | None:
+    return None if e is None else {"value": _num(e.value), "ci": _ci(e.ci), "note": e.note}
+
+
+def summary(comp: Comparison, plots: dict[str, str] | None = None) -> dict[str, Any]:
+    o = comp.options
+    return {
+        "version": SUMMARY_VERSION,
+        "reference": comp.reference,
+        "arms": comp.arms,
+        "scales": comp.scales,
+        "bootstrap": {"resamples": o.resamples, "seed": o.seed, "level": o.level, "over": "seeds within arm x scale"},
+        "options": {"include_incomplete": o.include_incomplete, "divergence_margin": o.divergence_margin,
+                    "trend_axis": o.trend_axis},
+        "runs": [_run_row(v) for v in comp.verdicts],
+        "cells": [_cell_row(comp.cells[(a, s)]) for s in comp.scales for a in comp.arms if (a, s) in comp.cells],
+        "gaps": [_gap_row(g) for g in comp.gaps],
+        "fits": [_fit_row(f) for f in comp.fits],
+        "multipliers": [_multiplier_row(m) for m in comp.multipliers],
+        "trends": [_trend_row(t) for t in comp.trends],
+        "findings": findings(comp),
+        "plots": plots or {},
+    }
+
+
+def _run_row(v) -> dict:
+    r = v.run
+    return {
+        "run_id": r.run_id, "source": r.source, "arm": r.arm, "scale": r.scale, "seed": r.seed, "lr": r.lr,
+        "state": r.state, "final_step": r.final_step if r.has_val else None,
+        "final_val_loss": _num(r.final_loss) if r.has_val else None,
+        "params": r.params, "compute": _num(r.compute), "included": v.included, "excluded_reason": v.reason,
+        "divergence": None if v.divergence is None else {"kind": v.divergence.kind, "step": v.divergence.step},
+        "spikes": v.spikes,
+    }
+
+
+def _cell_row(c) -> dict:
+    return {
+        "arm": c.arm, "scale": c.scale, "best_lr": c.best_lr, "n_seeds": c.n, "seeds": [r.seed for r in c.runs],
+        "mean": _num(c.mean), "std": _num(c.std), "min": _num(c.losses.min()), "max": _num(c.losses.max()),
+        "compute": _num(c.compute), "params": c.params,
+        "lr_grid": [{"lr": p.lr, "mean": _num(p.mean), "n_seeds": p.n} for p in c.lr_grid],
+    }
+
+
+def _gap_row(g: Gap) -> dict:
+    return {"arm": g.arm, "scale": g.scale, "improvement": _estimate(g.improvement),
+            "improvement_pct": _estimate(g.improvement_pct), "n_arm": g.n_arm, "n_ref": g.n_ref}
+
+
+def _fit_row(f: ArmFit) -> dict:
+    law = None if f.law is None else {k: _num(v) for k, v in f.law.as_dict().items()}
+    return {"arm": f.arm, "axis": f.axis, "identifiable": f.law is not None, "law": law, "note": f.note,
+            "alpha": _estimate(f.alpha), "E": _estimate(f.E)}
+
+
+def _multiplier_row(m: Multiplier) -> dict:
+    return {"arm": m.arm, "scale": m.scale, **_estimate(m.estimate), "extrapolated": m.extrapolated}
+
+
+def _trend_row(t: Trend) -> dict:
+    return {"arm": t.arm, "axis": t.axis, "n_scales": t.n_scales, "slope_pct_points_per_decade": _num(t.slope),
+            "ci_bootstrap": _ci(t.ci_bootstrap), "ci_residual": _ci(t.ci_residual),
+            "distinguishable_from_zero": t.distinguishable, "note": t.note}
+
+
+# ---------------------------------------------------------------------------------------------
+# plain statements
+
+
+def _fmt_ci(ci: tuple[float, float] | None, fmt: str) -> str:
+    if ci is None:
+        return "n/a"
+    return "[" + ", ".join("∞" if math.isinf(v) else format(v, fmt) for v in ci) + "]"
+
+
+def gap_statement(g: Gap, reference: str, level: float) -> str:
+    pct = g.improvement_pct
+    head = (f"{g.scale}: {g.arm} vs {reference}: {g.improvement.value:+.4f} nats ({pct.value:+.2f}%), "
+            f"{_fmt_ci(pct.ci, '+.2f')}% at {level:.0%}, {g.n_arm} vs {g.n_ref} seeds")
+    if pct.ci is None:
+        return f"{head}: no interval ({pct.note})."
+    if pct.ci[0] > 0:
+        return f"{head}: {g.arm} is better."
+    if pct.ci[1] < 0:
+        return f"{head}: {g.arm} is worse."
+    return f"{head}: not distinguishable from zero."
+
+
+def multiplier_statement(m: Multiplier, reference: str, level: float) -> str:
+    e = m.estimate
+    if e.value is None:
+        return f"{m.scale}: compute multiplier of {m.arm} over {reference}: not available ({e.note})."
+    where = " (extrapolated beyond the reference's fitted range)" if m.extrapolated else ""
+    ci = f"{_fmt_ci(e.ci, '.3g')} at {level:.0%}" if e.ci is not None else f"no interval: {e.note}"
+    return (f"{m.scale}: {reference} needs {e.value:.3g}x the compute of {m.arm} to reach {m.arm}'s loss, "
+            f"{ci}{where}.")
+
+
+def trend_statement(t: Trend, reference: str, level: float) -> str:
+    if t.slope is None:
+        return f"Trend of {t.arm}'s improvement over {reference} with {t.axis}: cannot tell ({t.note})."
+    cis = []
+    if t.ci_bootstrap is not None:
+        cis.append(f"seed bootstrap {_fmt_ci(t.ci_bootstrap, '+.3f')}")
+    if t.ci_residual is not None:
+        cis.append(f"residual t-interval over {t.n_scales} scales {_fmt_ci(t.ci_residual, '+.3f')}")
+    head = (f"Trend of {t.arm}'s improvement over {reference}: {t.slope:+.3f} percentage points per 10x {t.axis} "
+            f"({'; '.join(cis)}; {level:.0%})")
+    if t.distinguishable:
+        direction = "grows" if t.slope > 0 else "shrinks"
+        return f"{head}: distinguishable from zero — the improvement {direction} with scale."
+    return f"{head}: not distinguishable from zero at {level:.0%}; the data are consistent with a steady gap." + (
+        f" ({t.note})" if t.note else "")
+
+
+def findings(comp: Comparison) -> list[str]:
+    lvl, ref = comp.options.level, comp.reference
+    out = [gap_statement(g, ref, lvl) for g in comp.gaps]
+    out += [multiplier_statement(m, ref, lvl) for m in comp.multipliers]
+    out += [trend_statement(t, ref, lvl) for t in comp.trends]
+    diverged = [v for v in comp.verdicts if v.divergence is not None]
+    if diverged:
+        out.append(f"{len(diverged)} run(s) diverged and were left out of the statistics (listed below).")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# report.md
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _g(value: Any, fmt: str = ".4g") -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def markdown(comp: Comparison, plots: dict[str, str]) -> str:
+    o = comp.options
+    n_in = sum(v.included for v in comp.verdicts)
+    parts = [
+        "# nlq-scale comparison",
+        f"Reference arm: **{comp.reference}**. Runs found: {len(comp.verdicts)}; compared: {n_in}; "
+        f"left out: {len(comp.verdicts) - n_in}. Each arm is compared at its own best learning rate per scale.",
+        f"Intervals: {o.level:.0%} percentile bootstrap, {o.resamples} resamples of the seeds within each "
+        f"arm x scale cell (numpy default_rng seed {o.seed}). Divergence margin: {o.divergence_margin} nats above "
+        f"the running best. Positive improvement = lower loss than {comp.reference}. See docs/analysis.md.",
+        "## Findings",
+        "\n".join(f"- {line}" for line in findings(comp)),
+        "## Final validation loss per arm x scale",
+        _cells_table(comp),
+    ]
+    if any(len(c.lr_grid) > 1 for c in comp.cells.values()):
+        parts += ["## Learning-rate grid", _lr_table(comp)]
+    parts += [
+        f"## Improvement over {comp.reference}",
+        _gaps_table(comp),
+        "## Scaling fits L(x) = E + A·x^-α",
+        _fits_table(comp),
+        f"## Compute multiplier over {comp.reference}",
+        f"C_ref / C_arm: the compute {comp.reference}'s fitted L(C) needs to reach the arm's mean loss, divided "
+        "by the compute the arm used. Above 1: the arm is worth that many times its compute.",
+        _multipliers_table(comp),
+        "## Trend of the improvement with scale",
+        "\n".join(f"- {trend_statement(t, comp.reference, o.level)}" for t in comp.trends) or "- only one arm.",
+        "## Runs left out, divergences and spikes",
+        _runs_table(comp),
+        "## Plots",
+        "\n\n".join(f"![{stem}]({name})" for stem, name in plots.items()),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def _ordered_cells(comp: Comparison) -> list[Cell]:
+    return [comp.cells[(a, s)] for s in comp.scales for a in comp.arms if (a, s) in comp.cells]
+
+
+def _ci_label(comp: Comparison) -> str:
+    return f"{comp.options.level:.0%} CI"
+
+
+def _cells_table(comp: Comparison) -> str:
+    return _table(
+        ["scale", "arm", "best lr", "seeds", "mean", "std", "min", "max", "compute C (FLOPs)", "params N"],
+        [[c.scale, c.arm, _g(c.best_lr), c.n, _g(c.mean, ".4f"), _g(c.std, ".4f"), _g(c.losses.min(), ".4f"),
+          _g(c.losses.max(), ".4f"), _g(c.compute, ".3e"), _g(c.params, ",")] for c in _ordered_cells(comp)],
+    )
+
+
+def _lr_table(comp: Comparison) -> str:
+    return _table(
+        ["scale", "arm", "lr", "seeds", "mean final loss", ""],
+        [[c.scale, c.arm, _g(p.lr), p.n, _g(p.mean, ".4f"), "best" if p.lr == c.best_lr else ""]
+         for c in _ordered_cells(comp) for p in c.lr_grid],
+    )
+
+
+def _gaps_table(comp: Comparison) -> str:
+    ci = _ci_label(comp)
+    return _table(
+        ["scale", "arm", "Δ loss (nats)", ci, "Δ %", ci, "seeds arm/ref", "note"],
+        [[g.scale, g.arm, _g(g.improvement.value, "+.4f"), _fmt_ci(g.improvement.ci, "+.4f"),
+          _g(g.improvement_pct.value, "+.2f"), _fmt_ci(g.improvement_pct.ci, "+.2f"), f"{g.n_arm}/{g.n_ref}",
+          g.improvement.note] for g in comp.gaps],
+    )
+
+
+def _fits_table(comp: Comparison) -> str:
+    ci = _ci_label(comp)
+    rows = []
+    for f in comp.fits:
+        law = f.law
+        rows.append([
+            f.arm, f.axis, _g(law and law.E, ".4f"), _fmt_ci(f.E and f.E.ci, ".4f"), _g(law and law.A, ".4g"),
+            _g(law and law.alpha, ".4f"), _fmt_ci(f.alpha and f.alpha.ci, ".4f"), law.n_points if law else "",
+            join_notes(f.note, f.alpha.note if f.alpha else ""),
+        ])
+    return _table(["arm", "x", "E", f"E {ci}", "A", "α", f"α {ci}", "points", "note"], rows)
+
+
+def _multipliers_table(comp: Comparison) -> str:
+    return _table(
+        ["scale", "arm", "multiplier", _ci_label(comp), "extrapolated", "note"],
+        [[m.scale, m.arm, _g(m.estimate.value, ".3f"), _fmt_ci(m.estimate.ci, ".3f"),
+          "yes" if m.extrapolated else "no", m.estimate.note] for m in comp.multipliers],
+    )
+
+
+def _runs_table(comp: Comparison) -> str:
+    rows = [[v.run.run_id, v.run.arm, v.run.scale, v.run.seed, _g(v.run.lr), v.run.state,
+             v.reason or "included", ", ".join(map(str, v.spikes)) or ""]
+            for v in comp.verdicts if not v.included or v.spikes]
+    if not rows:
+        return "Every run was compared; no divergences or spikes."
+    return _table(["run", "arm", "scale", "seed", "lr", "state", "status in this report", "spike steps"], rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_text(path: Path, text: str) -> None:
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(text)
+
+    _atomic_write(path, write)
+
+
+def write_report(comp: Comparison, out_dir: Path) -> ReportPaths:
+    from nlq_scale.analysis import plots as plotting
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    saved: dict[str, Path] = {}
+    for stem, fig in plotting.figures(comp).items():
+        path = out_dir / f"{stem}.png"
+        _atomic_write(path, lambda tmp, fig=fig: fig.savefig(tmp, dpi=120, format="png"))
+        plotting.close(fig)
+        saved[stem] = path
+    names = {stem: p.name for stem, p in saved.items()}
+    report, summary_path = out_dir / "report.md", out_dir / "summary.json"
+    _write_text(summary_path, json.dumps(summary(comp, names), indent=2) + "\n")
+    _write_text(report, markdown(comp, names))
+    return ReportPaths(report, summary_path, saved)
+
+
+def log_to_wandb(comp: Comparison, paths: ReportPaths, project: str) -> str:
+    """The report's tables, plots and findings as one W&B run (job_type "analysis"); mode from
+    WANDB_MODE, offline when unset. Returns the run's directory."""
+    import wandb
+
+    data = summary(comp, {stem: p.name for stem, p in paths.plots.items()})
+    run = wandb.init(project=project, job_type="analysis", mode=os.environ.get("WANDB_MODE", "offline"),
+                     config={"reference": comp.reference, "bootstrap": data["bootstrap"], **data["options"]})
+    try:
+        for name in ("cells", "gaps", "multipliers", "trends"):
+            rows = [_flatten(r) for r in data[name]]
+            if rows:
+                columns = sorted({k for r in rows for k in r})
+                run.log({f"analysis/{name}": wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])})
+        run.log({f"analysis/{stem}": wandb.Image(str(p)) for stem, p in paths.plots.items()})
+        run.summary["findings"] = "\n".join(data["findings"])
+        return run.dir
+    finally:
+        run.finish()
+
+
+def _flatten(row: dict, prefix: str = "") -> dict:
+    """Nested summary rows as flat W&B table columns (a.b); lists become strings."""
+    out: dict = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            out |= _flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, list) else value
+    return out

@@ -1,0 +1,165 @@
+"""Sub-commands `plan`, `submit` and `status` (kept light: heavy imports happen in the handlers)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="resources, memory and cost per run of a sweep",
+                       usage="nlq-scale plan SWEEP [key=value ...] [--cluster CLUSTER] [--json]")
+    _sweep_and_overrides(p)
+    p.add_argument("--cluster", help="cluster file (or a name in configs/clusters); default: the sweep's")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("submit", help="submit a sweep's runs (idempotent: finished runs are skipped)",
+                       usage="nlq-scale submit SWEEP [key=value ...] [--root DIR] [--cluster CLUSTER] "
+                             "[--executor {slurm,local}] [--dry-run] [--retry-failed] [--json]")
+    _sweep_and_overrides(p)
+    p.add_argument("--root", help="run root (default: the sweep's root, else ./runs)")
+    p.add_argument("--cluster", help="cluster file (or a name in configs/clusters); default: the sweep's")
+    p.add_argument("--executor", choices=("slurm", "local"), default="slurm",
+                   help="slurm: queue job arrays; local: run the jobs one by one on this machine")
+    p.add_argument("--dry-run", action="store_true", help="print what would be submitted, submit nothing")
+    p.add_argument("--retry-failed", action="store_true", help="also resubmit runs whose state is failed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("status", help="one row per run: state, progress, loss, job, error")
+    p.add_argument("root", help="run root, sweep dir or run dir")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+
+def _sweep_and_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("items", nargs="+", metavar="SWEEP",
+                   help="sweep file (or a name in configs/sweeps), then config overrides for every run")
+    p.__class__ = _intermixed(type(p))
+
+
+def _intermixed(base: type) -> type:
+    """`SWEEP --root X key=value`: positionals on both sides of options. argparse matches a positional
+    list only where it starts, so this sub-command parses intermixed (the top-level parser calls
+    parse_known_args on it; parse_known_intermixed_args calls it back, hence the guard)."""
+
+    class Intermixed(base):
+        _inside = False
+
+        def parse_known_args(self, args=None, namespace=None):
+            if self._inside:
+                return super().parse_known_args(args, namespace)
+            self._inside = True
+            try:
+                return self.parse_known_intermixed_args(args, namespace)
+            finally:
+                self._inside = False
+
+    return Intermixed
+
+
+def _load(args: argparse.Namespace):
+    from nlq_scale.cluster.plan import load_cluster
+    from nlq_scale.cluster.sweep import load_sweep, sweep_path
+    from nlq_scale.errors import UsageError
+
+    args.sweep, *args.overrides = args.items
+    sweep = load_sweep(sweep_path(args.sweep))
+    cluster_name = args.cluster or sweep.cluster
+    if cluster_name is None:
+        raise UsageError(f"{args.sweep}: cluster: not set; pass --cluster CLUSTER.yaml")
+    return sweep, load_cluster(cluster_name)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from nlq_scale.cli import emit_json
+    from nlq_scale.cluster.plan import plan_sweep, totals
+
+    sweep, cluster = _load(args)
+    runs = plan_sweep(sweep, cluster, args.overrides)
+    plans = [r.plan for r in runs]
+    doc = {"sweep": sweep.name, "cluster": cluster.name, "runs": [p.as_dict() for p in plans], "totals": totals(plans)}
+    if args.json:
+        emit_json(doc)
+    else:
+        print(_plan_table(doc))
+    return 0
+
+
+def _plan_table(doc: dict) -> str:
+    head = ("run", "nodes", "gpus", "tp", "pp", "dp", "engine", "mbs", "accum", "mem/GPU GiB", "tokens", "PFLOP",
+            "GPU-h")
+    rows = []
+    for r in doc["runs"]:
+        engine = r["engine"] + (f"/zero{r['zero_stage']}" if r["zero_stage"] is not None else
+                                "/distopt" if r["distributed_optimizer"] else "")
+        m = r["memory_gb"]
+        mem = f"{m['total']:.3g} (p{m['params']:.3g} g{m['grads']:.3g} o{m['optimizer']:.3g} a{m['activations']:.3g})"
+        rows.append((r["run_id"], r["nodes"], r["gpus"], r["tp"], r["pp"], r["dp"], engine, r["micro_batch_size"],
+                     r["grad_accum"], mem, f"{r['tokens']:.3g}", f"{r['flops'] / 1e15:.3g}", f"{r['gpu_hours']:.3g}"))
+    lines = _columns(head, rows)
+    for scale, t in doc["totals"]["per_scale"].items():
+        lines.append(f"scale {scale}: {t['runs']} runs, {t['tokens']:.3g} tokens, {t['flops'] / 1e15:.3g} PFLOP, "
+                     f"{t['gpu_hours']:.3g} GPU-h")
+    t = doc["totals"]["sweep"]
+    lines.append(f"sweep {doc['sweep']} on {doc['cluster']}: {t['runs']} runs, {t['flops'] / 1e15:.3g} PFLOP, "
+                 f"{t['gpu_hours']:.3g} GPU-h")
+    return "\n".join(lines)
+
+
+def _columns(head: tuple, rows: list[tuple]) -> list[str]:
+    cells = [[str(c) for c in row] for row in [head, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from nlq_scale.cli import emit_json
+    from nlq_scale.cluster.executors import decide, submit
+    from nlq_scale.cluster.plan import plan_sweep
+    from nlq_scale.cluster.sweep import check_prepared_data
+
+    sweep, cluster = _load(args)
+    runs = plan_sweep(sweep, cluster, args.overrides)
+    check_prepared_data(r.spec for r in runs)
+    root = Path(args.root or sweep.root or "runs").resolve()
+    decisions = decide(runs, root, args.retry_failed)
+    records = [] if args.dry_run else submit(decisions, cluster, args.executor, root, sweep.name)
+    jobs = {r["run_id"]: r["job_id"] for r in records}
+    rows = [
+        {"run_id": d.run.spec.run_id, "action": d.action, "reason": d.reason, "run_dir": str(d.run_dir),
+         "nodes": d.run.plan.layout.nodes, "tasks_per_node": d.run.plan.layout.tasks_per_node,
+         "job_id": jobs.get(d.run.spec.run_id)}
+        for d in decisions
+    ]
+    n_todo = sum(d.action != "skip" for d in decisions)
+    if args.json:
+        emit_json({"sweep": sweep.name, "root": str(root), "dry_run": args.dry_run, "executor": args.executor,
+                   "runs": rows})
+        return 0
+    verb = "would submit" if args.dry_run else "submitted"
+    head = ("run", "action", "job", "nodes x tasks", "reason")
+    body = [(r["run_id"], r["action"], r["job_id"] or "-", f"{r['nodes']}x{r['tasks_per_node']}", r["reason"])
+            for r in rows]
+    print("\n".join(_columns(head, body)))
+    print(f"{verb} {n_todo} of {len(rows)} runs of sweep {sweep.name} ({args.executor}) under {root}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from nlq_scale.cli import emit_json
+    from nlq_scale.cluster.status import collect, format_table
+    from nlq_scale.errors import UsageError
+
+    root = Path(args.root)
+    if not root.is_dir():
+        raise UsageError(f"{root}: no such directory")
+    rows = collect(root.resolve())
+    if args.json:
+        emit_json({"root": str(root.resolve()), "runs": rows})
+    else:
+        print(format_table(rows))
+    return 0

@@ -1,0 +1,279 @@
+"""Submission through submitit: SLURM (job arrays per scale) or this machine (`local`).
+
+Idempotent: each run's directory tells what to do with it (status.json from the train loop, job.json
+from the last submission): completed and diverged runs are skipped, failed ones too unless
+--retry-failed, runs whose last job still sits in the queue are left alone, everything else (new,
+preempted, running-but-dead) is submitted and resumes from its run dir.
+
+job.json (written here, read by `status`): {"executor", "job_id", "folder", "submitted_at", "log"}.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal
+
+import yaml
+
+from nlq_scale.cluster.plan import ClusterConfig, Layout, PlannedRun
+from nlq_scale.config.load import dump_run_config
+from nlq_scale.errors import RunFailure, UsageError
+
+ExecutorKind = Literal["slurm", "local"]
+JOB_FILE = "job.json"
+# squeue states of a job that will still run (or is running) without resubmission.
+LIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
+               "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
+
+
+# ---------------------------------------------------------------- reading run dirs
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError):
+        return {}  # a file being replaced right now reads as absent; the next look sees it
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def slurm_queue_states(job_ids: Iterable[str]) -> dict[str, str] | None:
+    """{job id: squeue state} for the given ids still known to slurmctld; None if squeue is unavailable."""
+    ids = sorted({j for j in job_ids if j})
+    if not ids:
+        return {}
+    if shutil.which("squeue") is None:
+        return None
+    # One call for all: `-j` with an unknown id fails the whole call, so list everything and filter.
+    out = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return None
+    states = dict(line.split("|", 1) for line in out.stdout.split() if "|" in line)
+    return {j: states[j] for j in ids if j in states}
+
+
+def local_job_alive(job_id: str) -> bool:
+    """The local executor's job id is its controller's pid: alive while that controller runs."""
+    try:
+        cmdline = Path(f"/proc/{int(job_id)}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+    return b"submitit.local._local" in cmdline
+
+
+def job_liveness(run_dirs: Iterable[Path]) -> dict[Path, bool | None]:
+    """For each run dir with a job.json: is its last job still queued or running (None = cannot tell)."""
+    jobs = {d: read_json(d / JOB_FILE) for d in run_dirs}
+    jobs = {d: j for d, j in jobs.items() if j.get("job_id")}
+    slurm = slurm_queue_states(j["job_id"] for j in jobs.values() if j.get("executor") == "slurm")
+    out: dict[Path, bool | None] = {}
+    for d, j in jobs.items():
+        if j.get("executor") == "local":
+            out[d] = local_job_alive(j["job_id"])
+        else:
+            out[d] = None if slurm is None else slurm.get(j["job_id"]) in LIVE_STATES
+    return out
+
+
+# ---------------------------------------------------------------- deciding
+
+
+@dataclass(frozen=True)
+class Decision:
+    run: PlannedRun
+    run_dir: Path
+    action: Literal["submit", "resume", "retry", "skip"]
+    reason: str
+
+
+def check_config_unchanged(run: PlannedRun, run_dir: Path) -> None:
+    """A run dir holding a different config belongs to another experiment: refuse before submitting."""
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return
+    existing = yaml.safe_load(path.read_text())
+    if existing != yaml.safe_load(dump_run_config(run.cfg)):
+        raise UsageError(
+            f"{path}: run {run.spec.run_id} exists with a different config (sweep, cluster or overrides changed); "
+            "use another --root or remove the run dir"
+        )
+
+
+def decide(runs: list[PlannedRun], root: Path, retry_failed: bool) -> list[Decision]:
+    dirs = [r.spec.run_dir(root) for r in runs]
+    for run, run_dir in zip(runs, dirs):
+        check_config_unchanged(run, run_dir)
+    alive = job_liveness(d for d in dirs if (d / JOB_FILE).exists())
+    return [_decide_one(run, d, alive.get(d, False), retry_failed) for run, d in zip(runs, dirs)]
+
+
+def _decide_one(run: PlannedRun, run_dir: Path, alive: bool | None, retry_failed: bool) -> Decision:
+    status = read_json(run_dir / "status.json")
+    state = status.get("state")
+    job = read_json(run_dir / JOB_FILE)
+    if state == "completed":
+        return Decision(run, run_dir, "skip", "completed")
+    if state == "diverged":
+        return Decision(run, run_dir, "skip", "diverged (a result, not an error)")
+    if state == "failed":
+        if retry_failed:
+            return Decision(run, run_dir, "retry", f"failed: {status.get('error')}")
+        return Decision(run, run_dir, "skip", "failed (resubmit with --retry-failed)")
+    if alive:
+        return Decision(run, run_dir, "skip", f"job {job['job_id']} still queued or running")
+    if alive is None:
+        return Decision(run, run_dir, "skip", f"job {job['job_id']}: cannot query the scheduler (no squeue)")
+    if state is None:
+        return Decision(run, run_dir, "submit", "new" if not job else f"job {job['job_id']} ended before training")
+    return Decision(run, run_dir, "resume", f"{state} at step {status.get('step')}, no live job")
+
+
+# ---------------------------------------------------------------- submitting
+
+
+def submitit_folder(root: Path, sweep: str) -> Path:
+    """A fresh folder per submission: job ids restart when a cluster's state is purged."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return root / sweep / "_submitit" / f"{stamp}-{os.getpid()}"
+
+
+def make_executor(kind: ExecutorKind, folder: Path, cluster: ClusterConfig, layout: Layout, name: str):
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=folder, cluster=kind, slurm_max_num_timeout=cluster.max_num_timeout)
+    if kind == "local":
+        # One machine: all ranks as tasks of one node.
+        executor.update_parameters(name=name, timeout_min=cluster.time_limit_min, nodes=1,
+                                   tasks_per_node=layout.world_size)
+        return executor
+    params = {
+        "name": name,
+        "timeout_min": cluster.time_limit_min,
+        "nodes": layout.nodes,
+        "tasks_per_node": layout.tasks_per_node,
+        "slurm_partition": cluster.partition,
+        "slurm_account": cluster.account,
+        "slurm_qos": cluster.qos,
+        "slurm_constraint": cluster.constraint,
+        "slurm_signal_delay_s": cluster.signal_delay_s,
+        "slurm_array_parallelism": cluster.array_parallelism,
+        "slurm_setup": cluster.setup or None,
+        "cpus_per_task": cluster.cpus_per_task,
+        "mem_gb": cluster.mem_gb,
+        # Preemption with PreemptMode=REQUEUE and `scontrol requeue` need a requeueable job.
+        "slurm_additional_parameters": {"requeue": True},
+    }
+    if cluster.device == "gpu":
+        params["gpus_per_node"] = cluster.gpus_per_node
+    executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
+    return executor
+
+
+def _record_job(run_dir: Path, kind: ExecutorKind, job) -> dict:
+    record = {
+        "executor": kind,
+        "job_id": str(job.job_id),
+        "folder": str(job.paths.folder),
+        "submitted_at": time.time(),
+        "log": str(job.paths.stderr),
+    }
+    write_json_atomic(run_dir / JOB_FILE, record)
+    return record
+
+
+def _prepare_run_dir(decision: Decision) -> None:
+    decision.run_dir.mkdir(parents=True, exist_ok=True)
+    config = decision.run_dir / "config.yaml"
+    if not config.exists():  # the same text train_run writes, so its own check accepts it
+        tmp = config.with_name(f".config.yaml.tmp.{os.getpid()}")
+        tmp.write_text(dump_run_config(decision.run.cfg))
+        os.replace(tmp, config)
+
+
+def _groups(decisions: list[Decision]) -> dict[tuple, list[Decision]]:
+    """One job array per scale and resource shape."""
+    groups: dict[tuple, list[Decision]] = {}
+    for d in decisions:
+        lay = d.run.plan.layout
+        groups.setdefault((d.run.spec.scale, lay.nodes, lay.tasks_per_node), []).append(d)
+    return groups
+
+
+def submit(
+    decisions: list[Decision],
+    cluster: ClusterConfig,
+    kind: ExecutorKind,
+    root: Path,
+    sweep: str,
+    train_fn=None,
+) -> list[dict]:
+    """Submit every non-skipped decision. SLURM: returns once queued. local: runs them one after the
+    other on this machine and returns when all ended."""
+    from nlq_scale.cluster.job import TrainJob
+
+    todo = [d for d in decisions if d.action != "skip"]
+    if not todo:
+        return []
+    if kind == "slurm" and shutil.which("sbatch") is None:
+        raise UsageError("--executor slurm: sbatch not found (no SLURM here; try --executor local)")
+    folder = submitit_folder(root, sweep)
+    records = []
+    for (scale, _, _), group in _groups(todo).items():
+        executor = make_executor(kind, folder, cluster, group[0].run.plan.layout, f"{sweep}-{scale}")
+        for d in group:
+            _prepare_run_dir(d)
+        fns = [TrainJob(d.run.cfg.model_dump(mode="json"), str(d.run_dir), train_fn) for d in group]
+        if kind == "slurm":
+            jobs = _launch(lambda: _submit_array(executor, fns))
+            records += [_record(d, kind, job) for d, job in zip(group, jobs)]
+            continue
+        for d, fn in zip(group, fns):  # one at a time: runs on one machine would only slow each other down
+            job = _launch(lambda: executor.submit(fn))
+            records.append(_record(d, kind, job))
+            _wait_local(job, d)
+    return records
+
+
+def _record(d: Decision, kind: ExecutorKind, job) -> dict:
+    return {"run_id": d.run.spec.run_id, "action": d.action, **_record_job(d.run_dir, kind, job)}
+
+
+def _submit_array(executor, fns: list) -> list:
+    with executor.batch():
+        jobs = [executor.submit(fn) for fn in fns]
+    return jobs
+
+
+def _launch(submission):
+    import submitit
+
+    try:
+        with submitit.helpers.clean_env():  # a submission from inside a job must not inherit its SLURM env
+            return submission()
+    except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError,
+            submitit.core.utils.FailedSubmissionError, OSError) as e:
+        raise RunFailure(f"submission failed: {e}") from e
+
+
+def _wait_local(job, decision: Decision) -> None:
+    print(f"running {decision.run.spec.run_id} locally (job {job.job_id}, log {job.paths.stderr})",
+          file=sys.stderr, flush=True)
+    while not job.done():
+        time.sleep(1.0)
+    state = read_json(decision.run_dir / "status.json").get("state")
+    print(f"{decision.run.spec.run_id}: {state or 'no status'}", file=sys.stderr, flush=True)

@@ -1,0 +1,394 @@
+"""Resource planner: per run, the parallel layout, the memory per GPU and the cost.
+
+Memory per GPU (the stage that holds the most):
+- model state: parameters + fp32 gradients + optimizer state (Adam m and v, plus an fp32 master copy
+  with bf16), with tensor- and pipeline-parallel splits; the distributed optimizer (megatron) or ZeRO
+  stage 1/2/3 (DeepSpeed) further shards optimizer state / gradients / parameters over DP.
+- activations kept for backward, per micro-batch, after Korthikanti et al. 2022 ("Reducing Activation
+  Recomputation in Large Transformer Models", Table 2) without dropout (our models have none):
+  per layer 4sbh replicated (two norm inputs and the two linear-layer inputs; split by t only with
+  sequence parallelism) + sb(q + k + v + context + 2 ffn)/t inside the tensor-parallel regions +
+  a s^2 b / t attention probabilities unless recompute is selective or full; full recompute keeps only
+  each layer's input plus one layer's working set. The first pipeline stage holds min(pp, micro-batches)
+  micro-batches in flight (1F1B). The last stage also holds the fp32 logits' softmax and its gradient
+  (2 x sbV/t x 4 bytes), which dominate tiny models.
+Layout search: the smallest model-parallel size that fits, preferring tensor parallelism inside a node
+over pipeline stages (pp = 1, 2, 4, ... outer; tp = 1, 2, 4, ... up to GPUs per node inner); then the
+micro-batch is halved until activations fit. DP fills the run's nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt, ValidationError
+
+from nlq_scale.cluster.sweep import RunSpec, SweepConfig, expand
+from nlq_scale.config.load import CONFIG_DIR, available, build_run_config, read_yaml, validation_message
+from nlq_scale.config.schema import ModelConfig, RunConfig, Strict
+from nlq_scale.errors import UsageError
+from nlq_scale.model.accounting import count_parameters, ffn_hidden_size, flops_per_token, query_rank, resolve_model
+
+GB = 1024**3
+
+
+class ClusterConfig(Strict):
+    """What a cluster offers one run, and how to ask SLURM for it."""
+
+    name: str
+    device: Literal["gpu", "cpu"] = Field("gpu", description="cpu: each 'GPU' is one CPU process (test clusters)")
+    nodes: PositiveInt = Field(description="most nodes one run may use")
+    gpus_per_node: PositiveInt = Field(description="devices per node; one task (rank) per device")
+    gpu_memory_gb: PositiveFloat = Field(description="memory per device (GiB)")
+    memory_headroom: float = Field(0.9, gt=0.0, le=1.0, description="usable fraction (allocator fragmentation)")
+    overhead_gb: float = Field(2.0, ge=0.0, description="fixed per device: CUDA context, NCCL buffers")
+    peak_tflops: PositiveFloat = Field(description="dense bf16 peak per device (TFLOP/s)")
+    assumed_mfu: float = Field(0.4, gt=0.0, le=1.0, description="for the GPU-hour estimate")
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time_limit_min: PositiveInt = Field(60 * 24, description="per job; longer runs requeue (checkpointed)")
+    cpus_per_task: PositiveInt | None = None
+    mem_gb: PositiveFloat | None = Field(None, description="host memory per node to request")
+    array_parallelism: PositiveInt = Field(16, description="runs of one array running at once")
+    max_num_timeout: int = Field(20, ge=0, description="requeues after hitting the time limit")
+    signal_delay_s: PositiveInt = Field(120, description="USR2 this long before the time limit: checkpoint time")
+    setup: list[str] = Field(default_factory=list, description="shell lines before srun (modules, venv)")
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.gpu_memory_gb * self.memory_headroom - self.overhead_gb) * GB
+
+
+def cluster_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    return CONFIG_DIR / "clusters" / f"{name_or_path}.yaml"
+
+
+def load_cluster(name_or_path: str) -> ClusterConfig:
+    path = cluster_path(name_or_path)
+    if not path.is_file():
+        raise UsageError(f"cluster file {path} not found (known: {', '.join(available('clusters'))})")
+    try:
+        return ClusterConfig.model_validate(read_yaml(path))
+    except ValidationError as e:
+        raise UsageError(validation_message(e, str(path))) from None
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device on the fullest pipeline stage."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def as_gb(self) -> dict[str, float]:
+        out = {k: round(v / GB, 3) for k, v in asdict(self).items()}
+        out["total"] = round(self.total / GB, 3)
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    tasks_per_node: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    grad_accum: int
+    recompute: str
+    sequence_parallel: bool
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+# ---------------------------------------------------------------- memory model
+
+
+def _stage_params(m: ModelConfig, tp: int, pp: int, ep: int, first: bool, last: bool) -> float:
+    """Parameters held by one device of a pipeline stage."""
+    per_layer = 0.0
+    for name, count in count_parameters(m).per_layer.items():
+        if "norm" in name:  # norms see the full hidden vector: replicated across TP
+            per_layer += count
+        elif name == "mlp" and m.moe.num_experts:
+            per_layer += count / (tp * ep)
+        else:
+            per_layer += count / tp
+    params = per_layer * m.num_layers / pp
+    word = m.padded_vocab_size * m.hidden_size / tp
+    if first:
+        params += word + (m.seq_length * m.hidden_size if m.position_embedding == "learned_absolute" else 0)
+    if last:
+        params += m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)  # final norm
+        if not m.tie_embeddings or not first:  # the output layer, or the tied embedding's copy
+            params += word
+    return params
+
+
+def _state_bytes_per_param(cfg: RunConfig, dp: int) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes per parameter after DP sharding."""
+    bf16 = cfg.model.bf16
+    # Gradients accumulate in fp32 even with bf16 weights (Megatron-LM's default for bf16, DeepSpeed's
+    # bf16 optimizer); mixed precision adds fp32 master weights to Adam's m and v.
+    weights, grads = (2.0 if bf16 else 4.0), 4.0
+    optimizer = 8.0 + (4.0 if bf16 else 0.0)
+    t = cfg.train
+    if t.engine == "megatron":
+        if t.distributed_optimizer:
+            optimizer /= dp
+    else:
+        if t.zero_stage >= 1:
+            optimizer /= dp
+        if t.zero_stage >= 2:
+            grads /= dp
+        if t.zero_stage >= 3:
+            weights /= dp
+    return weights, grads, optimizer
+
+
+def layer_activation_elements(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str) -> float:
+    """Elements one transformer layer keeps for backward, per micro-batch of b sequences, per device."""
+    s, h, dk = m.seq_length, m.hidden_size, m.head_dim
+    a, g = m.num_attention_heads, m.query_groups
+    replicated = 4 * s * b * h
+    if m.arm in ("nonlinear", "preproj"):
+        # RMSNorm output, W1/up output, activation output, W2/down output.
+        replicated += s * b * (2 * h + 2 * query_rank(m))
+    split = s * b * (a * dk + 2 * g * dk + a * dk + 2 * ffn_hidden_size(m))
+    full = replicated / (tp if sp else 1) + split / tp
+    if recompute == "none":
+        full += a * s * s * b / tp
+    if recompute == "full":
+        return s * b * h / (tp if sp else 1)
+    return full
+
+
+def activation_bytes(cfg: RunConfig, layout: Layout, first: bool, last: bool) -> float:
+    m = resolve_model(cfg.model)
+    b, tp, pp = layout.micro_batch_size, layout.tp, layout.pp
+    width = 2 if m.bf16 else 4
+    per_layer = layer_activation_elements(m, b, tp, layout.sequence_parallel, layout.recompute)
+    layers = m.num_layers / pp
+    in_flight = min(pp, layout.grad_accum) if first else 1
+    elements = per_layer * layers * in_flight
+    if layout.recompute == "full":  # one layer recomputed at a time keeps its whole working set
+        elements += layer_activation_elements(m, b, tp, layout.sequence_parallel, "none")
+    total = elements * width
+    if last:
+        s, h = m.seq_length, m.hidden_size
+        total += 2 * s * b * h * width  # final norm input and output
+        total += 2 * s * b * m.padded_vocab_size / tp * 4  # fp32 softmax of the logits + its gradient
+    return total
+
+
+def memory_per_device(cfg: RunConfig, layout: Layout) -> Memory:
+    """The fullest pipeline stage's bytes per device (first stage: embedding + in-flight micro-batches;
+    last stage: output layer + logits)."""
+    m = resolve_model(cfg.model)
+    w, g, o = _state_bytes_per_param(cfg, layout.dp)
+    stages = [(True, layout.pp == 1), (False, True)] if layout.pp > 1 else [(True, True)]
+    best: Memory | None = None
+    for first, last in stages:
+        params = _stage_params(m, layout.tp, layout.pp, cfg.parallel.ep, first, last)
+        mem = Memory(params * w, params * g, params * o, activation_bytes(cfg, layout, first, last))
+        if best is None or mem.total > best.total:
+            best = mem
+    assert best is not None
+    return best
+
+
+# ---------------------------------------------------------------- layout search
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+def _valid_tp(m: ModelConfig, tp: int) -> bool:
+    return m.num_attention_heads % tp == 0 and m.query_groups % tp == 0
+
+
+def _candidates(cfg: RunConfig, cluster: ClusterConfig, fixed_tp: int | None, fixed_pp: int | None):
+    m = cfg.model
+    max_gpus = cluster.nodes * cluster.gpus_per_node
+    pps = [fixed_pp] if fixed_pp else [p for p in range(1, m.num_layers + 1) if m.num_layers % p == 0]
+    tps = [fixed_tp] if fixed_tp else _powers_of_two(cluster.gpus_per_node)
+    for pp in pps:
+        for tp in tps:
+            if _valid_tp(m, tp) and tp * pp <= max_gpus:
+                yield tp, pp
+
+
+def _nodes_for(cluster: ClusterConfig, tp: int, pp: int, requested: int | None) -> int:
+    if requested is not None:
+        return requested
+    return max(1, math.ceil(tp * pp / cluster.gpus_per_node))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    run_id: str
+    scale: str
+    arm: str
+    layout: Layout
+    memory: Memory
+    engine: str
+    zero_stage: int | None
+    distributed_optimizer: bool | None
+    steps: int
+    tokens: int
+    flops: float
+    gpu_hours: float
+    fits: bool
+    reason: str | None = None
+
+    def as_dict(self) -> dict:
+        d = {
+            "run_id": self.run_id,
+            "scale": self.scale,
+            "arm": self.arm,
+            **asdict(self.layout),
+            "gpus": self.layout.world_size,
+            "engine": self.engine,
+            "zero_stage": self.zero_stage,
+            "distributed_optimizer": self.distributed_optimizer,
+            "memory_gb": self.memory.as_gb(),
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "flops": self.flops,
+            "gpu_hours": round(self.gpu_hours, 4),
+            "fits": self.fits,
+        }
+        if self.reason:
+            d["reason"] = self.reason
+        return d
+
+
+def plan_run(
+    cfg: RunConfig,
+    cluster: ClusterConfig,
+    *,
+    run_id: str,
+    scale: str,
+    arm: str,
+    nodes: int | None = None,
+    fixed_tp: int | None = None,
+    fixed_pp: int | None = None,
+    fixed_micro_batch: bool = False,
+) -> RunPlan:
+    """The first layout (smallest model parallelism, then largest micro-batch) whose memory fits."""
+    if nodes is not None and nodes > cluster.nodes:
+        return _unfit(cfg, cluster, run_id, scale, arm, f"asks for {nodes} nodes, cluster {cluster.name} has {cluster.nodes}")
+    fallback: tuple[Layout, Memory] | None = None
+    for tp, pp in _candidates(cfg, cluster, fixed_tp, fixed_pp):
+        n = _nodes_for(cluster, tp, pp, nodes)
+        if n > cluster.nodes:
+            continue
+        world = n * cluster.gpus_per_node
+        if world % (tp * pp):
+            continue
+        dp = world // (tp * pp)
+        mbs = cfg.train.micro_batch_size
+        while mbs >= 1:
+            if cfg.train.global_batch_size % (mbs * dp) == 0:
+                layout = Layout(
+                    n, cluster.gpus_per_node, tp, pp, dp, mbs, cfg.train.global_batch_size // (mbs * dp),
+                    cfg.parallel.recompute, cfg.parallel.sequence_parallel and tp > 1,
+                )
+                mem = memory_per_device(cfg, layout)
+                if mem.total <= cluster.usable_bytes:
+                    return _plan(cfg, cluster, run_id, scale, arm, layout, mem, True)
+                if fallback is None or mem.total < fallback[1].total:
+                    fallback = (layout, mem)
+            if fixed_micro_batch:
+                break
+            mbs //= 2
+    if fallback is None:
+        return _unfit(cfg, cluster, run_id, scale, arm, "no tp x pp x dp layout divides the model and global batch")
+    layout, mem = fallback
+    reason = (
+        f"needs {mem.total / GB:.1f} GiB per device at best (tp={layout.tp} pp={layout.pp} dp={layout.dp} "
+        f"mbs={layout.micro_batch_size}), cluster {cluster.name} has {cluster.usable_bytes / GB:.1f} usable"
+    )
+    return _plan(cfg, cluster, run_id, scale, arm, layout, mem, False, reason)
+
+
+def _plan(cfg, cluster, run_id, scale, arm, layout, mem, fits, reason=None) -> RunPlan:
+    tokens = cfg.train.steps * cfg.train.global_batch_size * cfg.model.seq_length
+    flops = float(flops_per_token(cfg.model)) * tokens
+    gpu_hours = flops / (cluster.peak_tflops * 1e12 * cluster.assumed_mfu) / 3600
+    t = cfg.train
+    return RunPlan(
+        run_id, scale, arm, layout, mem, t.engine,
+        t.zero_stage if t.engine == "deepspeed" else None,
+        t.distributed_optimizer if t.engine == "megatron" else None,
+        t.steps, tokens, flops, gpu_hours, fits, reason,
+    )
+
+
+def _unfit(cfg, cluster, run_id, scale, arm, reason) -> RunPlan:
+    layout = Layout(0, cluster.gpus_per_node, cfg.parallel.tp, cfg.parallel.pp, 0, cfg.train.micro_batch_size, 0,
+                    cfg.parallel.recompute, cfg.parallel.sequence_parallel)
+    return _plan(cfg, cluster, run_id, scale, arm, layout, Memory(0, 0, 0, 0), False, reason)
+
+
+def apply_layout(cfg: RunConfig, layout: Layout, run_id: str) -> RunConfig:
+    """The run's config with the planned tp/pp/micro-batch, validated again."""
+    raw = cfg.model_dump(mode="json")
+    raw["parallel"].update(tp=layout.tp, pp=layout.pp, sequence_parallel=layout.sequence_parallel)
+    raw["train"]["micro_batch_size"] = layout.micro_batch_size
+    return build_run_config(raw, f"sweep run {run_id}")
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    spec: RunSpec
+    plan: RunPlan
+    cfg: RunConfig  # spec.cfg with the planned layout: what the job trains
+
+
+def plan_sweep(sweep: SweepConfig, cluster: ClusterConfig, cli_overrides: Iterable[str] = ()) -> list[PlannedRun]:
+    """Expand and plan every run. A run that cannot fit the cluster is a UsageError naming it."""
+    prefs = sweep.parallel
+    out = []
+    for spec in expand(sweep, cli_overrides):
+        plan = plan_run(
+            spec.cfg, cluster, run_id=spec.run_id, scale=spec.scale, arm=spec.arm,
+            nodes=prefs.nodes_for(spec.scale), fixed_tp=prefs.tp, fixed_pp=prefs.pp,
+            fixed_micro_batch=prefs.micro_batch_size is not None,
+        )
+        if not plan.fits:
+            raise UsageError(f"run {spec.run_id} cannot fit cluster {cluster.name}: {plan.reason}")
+        out.append(PlannedRun(spec, plan, apply_layout(spec.cfg, plan.layout, spec.run_id)))
+    return out
+
+
+def totals(plans: list[RunPlan]) -> dict:
+    """Sums per scale and for the whole sweep."""
+
+    def agg(ps: list[RunPlan]) -> dict:
+        return {
+            "runs": len(ps),
+            "tokens": sum(p.tokens for p in ps),
+            "flops": sum(p.flops for p in ps),
+            "gpu_hours": round(sum(p.gpu_hours for p in ps), 4),
+        }
+
+    scales = list(dict.fromkeys(p.scale for p in plans))
+    return {"per_scale": {s: agg([p for p in plans if p.scale == s]) for s in scales}, "sweep": agg(plans)}

@@ -1,0 +1,68 @@
+"""`--nproc N`: start N local rank processes (gloo) the way torchrun would, forward preemption
+signals to them, and stop the rest when one fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from nlq_scale.runtime.dist import free_port
+from nlq_scale.train.signals import STOP_SIGNALS
+
+
+def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    return os.environ | {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": str(threads),
+    }
+
+
+def launch_local(python_args: list[str], nproc: int, grace_s: float = 30.0) -> int:
+    """Run `python <python_args...>` as ranks 0..nproc-1; returns the worst exit code."""
+    port = free_port()
+    children = [
+        subprocess.Popen([sys.executable, *python_args], env=rank_env(r, nproc, port)) for r in range(nproc)
+    ]
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        return _wait(children, grace_s)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait(children: list[subprocess.Popen], grace_s: float) -> int:
+    while any(c.poll() is None for c in children):
+        failed = [c for c in children if c.returncode not in (None, 0)]
+        if failed:
+            _stop(children, grace_s)
+            break
+        time.sleep(0.2)
+    return max(abs(c.wait()) for c in children)
+
+
+def _stop(children: list[subprocess.Popen], grace_s: float) -> None:
+    for c in children:
+        if c.poll() is None:
+            c.terminate()
+    deadline = time.time() + grace_s
+    for c in children:
+        try:
+            c.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            c.kill()

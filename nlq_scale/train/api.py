@@ -1,0 +1,33 @@
+"""Per-rank entry of a training run (what torchrun, srun, submitit and `--nproc` execute)."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+from nlq_scale.config.schema import RunConfig
+from nlq_scale.runtime.dist import detect_env, distributed
+from nlq_scale.train.rundir import Status, claim
+
+
+def train_run(cfg: RunConfig, run_dir: Path) -> str:
+    """Train (or resume) `cfg` in `run_dir`; returns "completed", "preempted" or "diverged".
+
+    Expects the torch.distributed env (RANK, WORLD_SIZE, ...) or none for one process. A run dir
+    holding a different config raises UsageError before anything is written.
+    """
+    from nlq_scale.train.loop import Trainer
+
+    run_dir = Path(run_dir)
+    env = detect_env()
+    claim(run_dir, cfg, create=env.rank == 0)  # every rank refuses a conflicting run dir up front
+    with distributed(cfg.parallel, env) as layout:
+        try:
+            return Trainer(cfg, run_dir, layout).run()
+        except Exception as e:
+            if env.rank == 0:
+                Status(run_dir, cfg.train.steps, layout.num_nodes).update(
+                    state="failed", error=f"{type(e).__name__}: {e}".strip()
+                )
+                traceback.print_exc()
+            raise

@@ -1,0 +1,42 @@
+"""`nlq-scale train`: one run into its run directory (in-process, or `--nproc N` local ranks)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nlq_scale.errors import UsageError
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train (or resume) one run in its run directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--scale", help="ladder scale (configs/scales); needs --arm")
+    src.add_argument("--config", help="a run config YAML (e.g. a run dir's config.yaml)")
+    p.add_argument("--arm", help="arm (configs/arms) with --scale")
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--nproc", type=int, default=1, help="local rank processes (gloo on CPU)")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nlq_scale.config.load import load_run_config
+    from nlq_scale.train.preflight import preflight
+
+    if args.scale and not args.arm:
+        raise UsageError("--scale needs --arm")
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    cfg = load_run_config(scale=args.scale, arm=args.arm, config_path=args.config, overrides=args.overrides)
+    preflight(cfg, args.run_dir, args.nproc)
+    if args.nproc == 1:
+        from nlq_scale.train.api import train_run
+
+        train_run(cfg, args.run_dir)
+        return 0
+    from nlq_scale.runtime.launch import launch_local
+
+    config_path = args.run_dir / "config.yaml"  # written by preflight: the ranks read what was resolved
+    code = launch_local(["-m", "nlq_scale.train.entry", "--config", str(config_path), "--run-dir", str(args.run_dir)], args.nproc)
+    return 0 if code == 0 else (2 if code == 2 else 1)

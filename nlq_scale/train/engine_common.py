@@ -1,0 +1,46 @@
+"""What both engines share: the language-model loss (vocab-parallel cross entropy + optional z-loss)
+and reducing per-micro-batch losses from the last pipeline stage to one global number."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    grad_norm: float | None
+
+
+def _vocab_parallel_logsumexp(logits: Tensor) -> Tensor:
+    """logsumexp over the full vocabulary when logits are split across tensor-parallel ranks."""
+    shift = logits.detach().max(dim=-1, keepdim=True).values
+    dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    total = reduce_from_tensor_model_parallel_region(torch.exp(logits - shift).sum(dim=-1))
+    return total.log() + shift.squeeze(-1)
+
+
+def lm_loss(logits: Tensor, labels: Tensor, z_loss: float) -> Tensor:
+    """Mean next-token cross entropy (+ z_loss * mean(logsumexp^2), PaLM's logit drift penalty)."""
+    logits = logits.float()
+    loss = vocab_parallel_cross_entropy(logits, labels).mean()
+    if z_loss > 0:
+        loss = loss + z_loss * _vocab_parallel_logsumexp(logits).square().mean()
+    return loss
+
+
+def reduce_last_stage_mean(losses: list[dict]) -> float:
+    """Global mean of the 'lm loss' values that only the last pipeline stage holds, counted once
+    per data-parallel rank (tensor-parallel peers hold copies)."""
+    contributes = bool(losses) and ps.get_tensor_model_parallel_rank() == 0
+    values = [float(d["lm loss"]) for d in losses] if contributes else []
+    total = torch.tensor([sum(values) / max(len(values), 1), float(contributes)], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total[0] / total[1])

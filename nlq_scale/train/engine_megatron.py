@@ -1,0 +1,133 @@
+"""The megatron engine: megatron-core DDP + (distributed) optimizer, the pipeline schedule from
+get_forward_backward_func, and dist_checkpointing with a fully reshardable optimizer state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from torch import Tensor
+
+from nlq_scale.config.schema import RunConfig
+from nlq_scale.model.gpt import build_gpt
+from nlq_scale.train.engine_common import StepStats, lm_loss, reduce_last_stage_mean
+
+# Reshardable across TP, PP and DP, so a run saved at one layout resumes at another.
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class MegatronEngine:
+    name = "megatron"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        t = cfg.train
+        model_parallel_cuda_manual_seed(cfg.seed)
+        model = build_gpt(
+            cfg.model,
+            cfg.parallel,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+        )
+        self.tconfig = model.config
+        self.model = DistributedDataParallel(
+            config=self.tconfig,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=t.distributed_optimizer
+            ),
+            module=model,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=t.lr,
+                min_lr=t.lr * t.min_lr_ratio,
+                weight_decay=t.weight_decay,  # megatron skips 1-D params (norms, biases)
+                adam_beta1=t.beta1,
+                adam_beta2=t.beta2,
+                adam_eps=t.eps,
+                clip_grad=t.grad_clip,
+                use_distributed_optimizer=t.distributed_optimizer,
+                bf16=cfg.model.bf16,
+                params_dtype=self.tconfig.params_dtype,
+            ),
+            [self.model],
+        )
+        # Without these, data-parallel gradients are never reduced (FINDINGS.md).
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss
+        self.tconfig.no_sync_func = self.model.no_sync
+        self._schedule = get_forward_backward_func()
+        self._positions = torch.arange(cfg.model.seq_length).unsqueeze(0)
+        self._poison = False
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def poison_next_loss(self) -> None:
+        """Test hook (train.nan_at_step): the next training loss becomes NaN."""
+        self._poison = True
+
+    def _forward_step(self, data_iterator, model):
+        tokens = next(data_iterator)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        output = model(inputs, self._positions.expand(inputs.shape[0], -1), None)
+
+        def loss_func(logits: Tensor):
+            loss = lm_loss(logits, labels, self.cfg.train.z_loss)
+            if self._poison and model.training:
+                loss = loss * float("nan")
+            # The schedule divides the returned loss in place: report a detached copy.
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    def _run(self, tokens: Tensor, forward_only: bool) -> list[dict]:
+        micro = list(tokens.split(self.cfg.train.micro_batch_size))
+        return self._schedule(
+            forward_step_func=self._forward_step,
+            data_iterator=iter(micro),
+            model=[self.model],
+            num_microbatches=len(micro),
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def train_step(self, tokens: Tensor) -> StepStats:
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run(tokens, forward_only=False)
+        self._poison = False
+        _, grad_norm, _ = self.optimizer.step()
+        return StepStats(loss=reduce_last_stage_mean(losses), grad_norm=grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self, tokens: Tensor) -> float:
+        self.model.eval()
+        return reduce_last_stage_mean(self._run(tokens, forward_only=True))
+
+    def _sharded_state(self, is_loading: bool) -> dict:
+        model_state = self.model.module.sharded_state_dict()
+        return {
+            "model": model_state,
+            "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT),
+        }
+
+    def save(self, ckpt_dir: Path) -> None:
+        dist_checkpointing.save(self._sharded_state(is_loading=False), str(ckpt_dir))
+
+    def load(self, ckpt_dir: Path) -> None:
+        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(ckpt_dir))
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        dist.barrier()

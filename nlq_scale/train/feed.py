@@ -1,0 +1,101 @@
+"""Per-rank batches: one loader per data-parallel rank (on its first model-parallel rank), broadcast
+to the tensor/pipeline-parallel peers, so every peer of a model replica sees the same tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from torch import Tensor
+
+from nlq_scale.config.schema import RunConfig
+from nlq_scale.runtime.dist import Layout
+
+
+def _is_loader(layout: Layout) -> bool:
+    return layout.tp_rank == 0 and layout.pp_rank == 0
+
+
+def _local_loader_rank(layout: Layout) -> tuple[int, int]:
+    """(local rank, local world size) among loader processes on this host, for streaming's
+    shared-memory coordination."""
+    host = hashlib.sha1(socket.gethostname().encode()).digest()[:7]
+    mine = torch.tensor([int.from_bytes(host, "big"), int(_is_loader(layout)), layout.rank], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(layout.world_size)]
+    dist.all_gather(everyone, mine)
+    peers = sorted(int(t[2]) for t in everyone if int(t[0]) == int(mine[0]) and int(t[1]) == 1)
+    return (peers.index(layout.rank) if _is_loader(layout) else 0), max(len(peers), 1)
+
+
+def job_tmp_dir(run_dir: Path) -> Path:
+    """Node-local scratch for streaming's locks, private to this run (never shared with other jobs)."""
+    tag = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"nlq-scale-{tag}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class DataFeed:
+    def __init__(self, cfg: RunConfig, layout: Layout, run_dir: Path) -> None:
+        from nlq_scale.data.loader import make_train_loader, make_val_set
+
+        self.layout = layout
+        self.seq = cfg.model.seq_length
+        self.rank_batch = cfg.train.global_batch_size // layout.dp
+        self._mp_group = ps.get_model_parallel_group()
+        self._src = self._loader_global_rank()
+        local_rank, local_world = _local_loader_rank(layout)
+        self.loader = None
+        if _is_loader(layout):
+            self.loader = make_train_loader(
+                cfg.data,
+                seq_length=self.seq,
+                rank_batch_size=self.rank_batch,
+                dp_rank=layout.dp_rank,
+                dp_size=layout.dp,
+                local_rank=local_rank,
+                local_world_size=local_world,
+                tmp_dir=job_tmp_dir(run_dir),
+            )
+            self._iter = iter(self.loader)
+        val = make_val_set(cfg.data, seq_length=self.seq) if _is_loader(layout) else None
+        self.val = self._share(val, (cfg.data.val_sequences, self.seq + 1)).chunk(layout.dp)[layout.dp_rank]
+
+    def _loader_global_rank(self) -> int:
+        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(self._mp_group))]
+        dist.all_gather(flags, torch.tensor([int(_is_loader(self.layout))]), group=self._mp_group)
+        group_rank = next(i for i, f in enumerate(flags) if int(f) == 1)
+        return dist.get_global_rank(self._mp_group, group_rank)
+
+    def _share(self, tokens: Tensor | None, shape: tuple[int, int]) -> Tensor:
+        if dist.get_world_size(self._mp_group) == 1:
+            return tokens
+        buf = tokens.contiguous() if tokens is not None else torch.empty(shape, dtype=torch.int64)
+        dist.broadcast(buf, src=self._src, group=self._mp_group)
+        return buf
+
+    def next(self) -> Tensor:
+        tokens = next(self._iter).to(torch.int64) if self.loader is not None else None
+        return self._share(tokens, (self.rank_batch, self.seq + 1))
+
+    def digest(self, tokens: Tensor) -> str:
+        from nlq_scale.data.loader import batch_digest
+
+        return batch_digest(tokens, group=ps.get_data_parallel_group())
+
+    def state_dict(self) -> dict | None:
+        return self.loader.state_dict() if self.loader is not None else None
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.loader is not None:
+            self.loader.load_state_dict(state)
+            self._iter = iter(self.loader)
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()

@@ -1,0 +1,181 @@
+"""The one train loop. It composes an engine (megatron or DeepSpeed), the data feed, the LR schedule,
+checkpoints, metrics, the divergence guard and preemption signals."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nlq_scale.config.schema import RunConfig
+from nlq_scale.model.accounting import count_parameters, flops_per_token
+from nlq_scale.runtime.dist import Layout
+from nlq_scale.train.checkpoint import CheckpointDir
+from nlq_scale.train.divergence import DivergenceGuard
+from nlq_scale.train.feed import DataFeed
+from nlq_scale.train.metrics import MetricsWriter
+from nlq_scale.train.rundir import Status, manifest, write_json
+from nlq_scale.train.schedule import lr_at
+from nlq_scale.train.signals import StopFlag
+
+
+def make_engine(cfg: RunConfig):
+    if cfg.train.engine == "deepspeed":
+        from nlq_scale.train.engine_deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(cfg)
+    from nlq_scale.train.engine_megatron import MegatronEngine
+
+    return MegatronEngine(cfg)
+
+
+def accounting(cfg: RunConfig) -> dict:
+    counts = count_parameters(cfg.model)
+    return {
+        "params": counts.total,
+        "non_embedding_params": counts.non_embedding,
+        "flops_per_token": flops_per_token(cfg.model),
+    }
+
+
+def _say(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"[nlq-scale] {message}", file=sys.stderr, flush=True)
+
+
+def _broadcast_str(value: str | None) -> str | None:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _any_rank(flag: bool) -> bool:
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: Path, layout: Layout) -> None:
+        self.cfg, self.run_dir, self.layout = cfg, run_dir, layout
+        self.rank = layout.rank
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        self.flops_per_token = flops_per_token(cfg.model)
+        self.status = Status(run_dir, cfg.train.steps, layout.num_nodes)
+        self.ckpts = CheckpointDir(run_dir, cfg.checkpoint.keep)
+        self.guard = DivergenceGuard(cfg.train.divergence)
+        self.engine = make_engine(cfg)
+        self.feed = DataFeed(cfg, layout, run_dir)
+        self.step, self.tokens = 0, 0
+        resumed_from = self._resume()
+        self.metrics = MetricsWriter(run_dir, cfg, resumed_from is not None, self.rank == 0, self.step)
+        if self.rank == 0:
+            from nlq_scale.data.loader import dataset_manifest_sha256
+
+            shape = {k: v for k, v in layout.as_dict().items() if not k.endswith("rank")}
+            layout_info = shape | {"engine": cfg.train.engine, "zero_stage": self._zero_stage()}
+            write_json(run_dir / "manifest.json", manifest(cfg, layout_info, dataset_manifest_sha256(cfg.data), accounting(cfg)))
+        event = {"event": "resume", "checkpoint": str(resumed_from)} if resumed_from else {"event": "start"}
+        self.metrics.write({"step": self.step, "tokens": self.tokens} | event)
+
+    def _zero_stage(self) -> int | None:
+        return self.cfg.train.zero_stage if self.cfg.train.engine == "deepspeed" else None
+
+    def _resume(self) -> Path | None:
+        found = self.ckpts.newest_complete(lambda msg: _say(self.rank, msg)) if self.rank == 0 else None
+        path = _broadcast_str(str(found) if found else None)
+        if path is None:
+            return None
+        ckpt = Path(path)
+        _say(self.rank, f"resuming from {ckpt}")
+        self.engine.load(ckpt)
+        state = self.ckpts.load_trainer_state(ckpt, self.rank, self.layout.world_size)
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.feed.load_state_dict(state["data"])
+        self.guard.load_state_dict(state["guard"])
+        return ckpt
+
+    def _save(self) -> None:
+        trainer_state = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "data": self.feed.state_dict(),
+            "guard": self.guard.state_dict(),
+            "world_size": self.layout.world_size,
+            "engine": self.cfg.train.engine,
+        }
+        path = self.ckpts.save(self.step, self.rank, self.engine.save, trainer_state)
+        if self.rank == 0:
+            self.status.update(last_checkpoint=str(path), step=self.step, tokens=self.tokens)
+        self.metrics.write({"step": self.step, "tokens": self.tokens, "event": "checkpoint", "checkpoint": path.name})
+
+    def _finish(self, state: str, event: str, error: str | None = None) -> str:
+        record = {"step": self.step, "tokens": self.tokens, "event": event}
+        if error:
+            record["error"] = error
+        self.metrics.write(record)
+        if self.rank == 0:
+            self.status.update(state=state, step=self.step, tokens=self.tokens, error=error)
+        self.metrics.close(state)
+        self.feed.close()
+        _say(self.rank, f"{state} at step {self.step}" + (f": {error}" if error else ""))
+        return state
+
+    def _train_record(self, lr: float, loss: float, grad_norm: float | None, seconds: float, digest: str) -> dict:
+        tokens_per_s = self.tokens_per_step / seconds
+        peak = self.cfg.train.device_peak_flops
+        mfu = self.flops_per_token * tokens_per_s / (peak * self.layout.world_size) if peak else None
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "train/loss": loss,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "data/hash": digest,
+        }
+
+    def run(self) -> str:
+        t = self.cfg.train
+        if self.step >= t.steps:
+            return self._finish("completed", "end")
+        if self.rank == 0:
+            self.status.update(state="running", error=None)
+        with StopFlag() as stop:
+            while self.step < t.steps:
+                lr = lr_at(self.step, t)
+                self.engine.set_lr(lr)
+                batch = self.feed.next()
+                digest = self.feed.digest(batch)
+                if t.nan_at_step == self.step + 1:
+                    self.engine.poison_next_loss()
+                start = time.perf_counter()
+                stats = self.engine.train_step(batch)
+                seconds = time.perf_counter() - start
+                self.step += 1
+                self.tokens += self.tokens_per_step
+                record = self._train_record(lr, stats.loss, stats.grad_norm, seconds, digest)
+                problem = self.guard.check_train(stats.loss)
+                if problem is None and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    record["val/loss"] = self.engine.evaluate(self.feed.val)
+                    problem = self.guard.check_val(record["val/loss"])
+                self.metrics.write(record)
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    self.metrics.progress(self.step, stats.loss, record["tokens_per_s"], record.get("val/loss"))
+                if problem is not None:
+                    # No checkpoint: the last good one must not be replaced by a diverged state.
+                    return self._finish("diverged", "diverged", problem)
+                if _any_rank(stop.signum is not None):
+                    self._save()
+                    return self._finish("preempted", "preempt")
+                every = self.cfg.checkpoint.every
+                if every and self.step % every == 0 and self.step < t.steps:
+                    self._save()
+                if self.rank == 0:
+                    self.status.update(step=self.step, tokens=self.tokens)
+        self._save()
+        return self._finish("completed", "end")

@@ -1,0 +1,118 @@
+"""metrics.jsonl (the source of truth), its W&B mirror, and the progress line. Rank 0 only.
+
+W&B is best effort: any failure there is reported once and the mirror is switched off; training
+and metrics.jsonl carry on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from nlq_scale.config.schema import RunConfig
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep the fact visible as "nan"/"inf"
+    return value
+
+
+class WandbMirror:
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool) -> None:
+        self.run = None
+        if not cfg.logging.wandb:
+            return
+        try:
+            import wandb
+
+            os.environ.setdefault("WANDB_MODE", cfg.logging.wandb_mode)
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(
+                project=cfg.logging.wandb_project,
+                entity=cfg.logging.wandb_entity,
+                group=cfg.sweep,
+                name=cfg.name or run_dir.name,
+                id=_wandb_id(run_dir),
+                resume="allow" if resume else None,
+                dir=str(run_dir),
+                tags=[f"arm:{cfg.arm_label}", f"scale:{cfg.scale}", f"seed:{cfg.seed}", f"lr:{cfg.train.lr:g}"]
+                + list(cfg.logging.tags),
+                config=cfg.model_dump(mode="json"),
+                mode=cfg.logging.wandb_mode,
+            )
+        except Exception as e:  # noqa: BLE001 - the mirror must never stop training
+            self._disable(e)
+
+    def _disable(self, err: Exception) -> None:
+        print(f"[nlq-scale] W&B mirror disabled: {type(err).__name__}: {err}", file=sys.stderr)
+        self.run = None
+
+    def log(self, record: dict) -> None:
+        if self.run is None:
+            return
+        try:
+            values = {k: v for k, v in record.items() if k not in ("step", "event") and isinstance(v, (int, float))}
+            self.run.log(values, step=record["step"])
+        except Exception as e:  # noqa: BLE001
+            self._disable(e)
+
+    def finish(self, state: str) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.summary["state"] = state
+            self.run.finish(exit_code=0 if state in ("completed", "preempted") else 1)
+        except Exception as e:  # noqa: BLE001
+            self._disable(e)
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """Stable per run dir so a resumed run continues the same W&B run."""
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, cfg: RunConfig, resume: bool, enabled: bool, start_step: int) -> None:
+        self.enabled = enabled
+        self.start_step = start_step
+        self.total_steps = cfg.train.steps
+        self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.wandb = WandbMirror(cfg, run_dir, resume) if enabled else None
+        self._tty = sys.stdout.isatty()
+        self._t0 = time.time()
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": record["step"], "tokens": record["tokens"], "time": time.time()} | record
+        self._file.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+        self.wandb.log(record)
+
+    def progress(self, step: int, loss: float, tokens_per_s: float, val: float | None = None) -> None:
+        """One concise line per log interval (rewritten in place on a terminal)."""
+        if not self.enabled:
+            return
+        done = max(step - self.start_step, 1)
+        eta = (time.time() - self._t0) / done * (self.total_steps - step)
+        val_part = f" val {val:.4f}" if val is not None else ""
+        line = (
+            f"step {step}/{self.total_steps} loss {loss:.4f}{val_part} "
+            f"{tokens_per_s:,.0f} tok/s eta {eta / 60:.1f} min"
+        )
+        print(("\r" + line) if self._tty else line, end="" if self._tty else "\n", flush=True)
+
+    def close(self, state: str) -> None:
+        if not self.enabled:
+            return
+        if self._tty:
+            print()
+        self._file.close()
+        self.wandb.finish(state)

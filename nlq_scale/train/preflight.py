@@ -1,0 +1,28 @@
+"""Checks before any rank starts: bad input fails here, once, with exit 2 and nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nlq_scale.config.schema import RunConfig
+from nlq_scale.errors import UsageError
+from nlq_scale.train.rundir import claim
+
+
+def preflight(cfg: RunConfig, run_dir: Path, world_size: int) -> None:
+    from nlq_scale.data.loader import dataset_manifest_sha256
+
+    try:
+        dp = cfg.data_parallel_size(world_size)
+        cfg.grad_accum_steps(world_size)
+    except ValueError as e:
+        raise UsageError(f"layout: {e}") from None
+    if cfg.data.val_sequences % (dp * cfg.train.micro_batch_size):
+        raise UsageError(
+            f"data.val_sequences ({cfg.data.val_sequences}) must be a multiple of "
+            f"dp*micro_batch_size ({dp * cfg.train.micro_batch_size})"
+        )
+    if cfg.data.path is None and cfg.data.streams is None:
+        raise UsageError("data.path: no prepared dataset given (nlq-scale prepare-data, then data.path=DIR)")
+    dataset_manifest_sha256(cfg.data)  # raises UsageError naming a missing/unprepared dataset
+    claim(run_dir, cfg)

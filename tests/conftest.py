@@ -1,0 +1,77 @@
+"""Shared test helpers. Multi-process tests are marked `slow` (run in CI; skip locally with
+`make test-fast`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+
+# A small model that still exercises GQA-free multi-head attention with TP=2 and PP=2.
+TINY_MODEL = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.kv_channels=16",
+    "model.seq_length=32",
+    "model.vocab_size=300",
+    "model.make_vocab_size_divisible_by=8",
+]
+
+
+@pytest.fixture(autouse=True)
+def _offline_wandb(tmp_path_factory, monkeypatch):
+    """W&B never leaves the machine in tests, and keeps its files in a private dir."""
+    base = tmp_path_factory.getbasetemp() / "wandb-home"
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(base / var.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def nlq(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real `nlq-scale` CLI in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "nlq_scale.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=(os.environ | (env or {})),
+        cwd=REPO,
+    )
+
+
+def run_ranks(script: str, nproc: int, *args: str, timeout: float = 600) -> None:
+    """Run tests/scripts/<script> as `nproc` gloo ranks; fail with the ranks' output otherwise."""
+    from nlq_scale.runtime.dist import free_port
+    from nlq_scale.runtime.launch import rank_env
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / script), *args],
+            env=rank_env(r, nproc, port) | {"PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(nproc)
+    ]
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append(out)
+    if any(p.returncode for p in procs):
+        tails = "\n".join(f"--- rank {i} (exit {p.returncode})\n{o[-3000:]}" for i, (p, o) in enumerate(zip(procs, outputs)))
+        pytest.fail(f"{script} failed:\n{tails}")

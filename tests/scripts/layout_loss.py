@@ -1,0 +1,63 @@
+"""Rank script: the loss of reference weights loaded into a megatron GPT at a TP x PP layout,
+through megatron's pipeline schedule, for each arm. Usage: layout_loss.py TP PP OUT ARM..."""
+
+import json
+import os
+import sys
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from nlq_scale.config import load_run_config
+from nlq_scale.config.schema import ParallelConfig
+from nlq_scale.model.gpt import build_gpt
+from nlq_scale.model.reference import ReferenceGPT, load_into_megatron
+from nlq_scale.runtime.dist import distributed
+from nlq_scale.train.engine_common import lm_loss, reduce_last_stage_mean
+from tests.conftest import TINY_MODEL
+
+
+def arm_loss(arm: str, tp: str, pp: str) -> float:
+    cfg = load_run_config("124m", arm, overrides=TINY_MODEL + [f"parallel.tp={tp}", f"parallel.pp={pp}"])
+    model_parallel_cuda_manual_seed(7)
+    model = build_gpt(cfg.model, cfg.parallel, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+    torch.manual_seed(0)
+    load_into_megatron(model, ReferenceGPT(cfg.model))
+    torch.manual_seed(1)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_length + 1))
+    positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(2, -1)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+
+        def loss_func(logits):
+            loss = lm_loss(logits, batch[:, 1:], 0.0)
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return model(batch[:, :-1], positions, None), loss_func
+
+    with torch.no_grad():
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(tokens.split(2)),
+            model=[model],
+            num_microbatches=2,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=2,
+            forward_only=True,
+        )
+    return reduce_last_stage_mean(losses)
+
+
+def main(tp: str, pp: str, out: str, *arms: str) -> None:
+    with distributed(ParallelConfig(tp=int(tp), pp=int(pp))):
+        losses = {arm: arm_loss(arm, tp, pp) for arm in arms}
+    if int(os.environ["RANK"]) == 0:
+        with open(out, "w") as f:
+            json.dump(losses, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

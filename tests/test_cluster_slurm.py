@@ -1,0 +1,245 @@
+"""Sweeps on a real SLURM: the two-node cluster of slurm/local-cluster/start.sh (started by the session
+fixture), submitit's slurm executor, preemption through a higher-priority partition.
+
+The first group drives the submission machinery with tests/test_cluster_jobs.py's toy trainer (fast,
+and independent of the train loop); the second runs the real `nlq-scale submit` / `train_run` end to
+end on a prepared dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from nlq_scale.cluster import executors
+from nlq_scale.cluster.plan import load_cluster
+from nlq_scale.cluster.status import collect
+from tests.conftest import nlq
+from tests.test_cluster_jobs import FAIL_TAG, TEST_SWEEP, planned, toy_loss, toy_train, wait_states
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+REPO = Path(__file__).resolve().parents[1]
+START = REPO / "slurm" / "local-cluster" / "start.sh"
+STOP = REPO / "slurm" / "local-cluster" / "stop.sh"
+TERMINAL = {"completed", "failed", "diverged"}
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The local cluster, started through its script; stopped again only if this session started it."""
+    state_dir = Path(os.environ.get("NLQ_SLURM_STATE", "/var/lib/nlq-slurm"))
+    conf = state_dir / "slurm.conf"
+    was_up = conf.exists() and subprocess.run(["scontrol", "ping"], env=os.environ | {"SLURM_CONF": str(conf)},
+                                              capture_output=True).returncode == 0
+    out = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"start.sh failed:\n{out.stdout}\n{out.stderr}"
+    exported = [ln for ln in out.stdout.splitlines() if ln.startswith("export SLURM_CONF=")]
+    os.environ["SLURM_CONF"] = exported[-1].split("=", 1)[1]
+    yield Path(os.environ["SLURM_CONF"])
+    if not was_up:
+        subprocess.run(["bash", str(STOP)], capture_output=True, timeout=120)
+
+
+def submit_toy(runs, root: Path, sweep: str = "test-two-arm") -> list[dict]:
+    decisions = executors.decide(runs, root, retry_failed=False)
+    return executors.submit(decisions, load_cluster("local-slurm"), "slurm", root, sweep, train_fn=toy_train)
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_done(run_dirs: list[Path], timeout: float = 300) -> dict[Path, str]:
+    states = wait_states(run_dirs, TERMINAL, timeout)
+    if not all(s in TERMINAL for s in states.values()):
+        queue = subprocess.run(["squeue", "-o", "%i %P %T %R"], capture_output=True, text=True).stdout
+        logs = {d.name: Path(executors.read_json(d / "job.json").get("log", "/nonexistent")) for d in run_dirs}
+        tails = {k: p.read_text()[-2000:] if p.exists() else "no log" for k, p in logs.items()}
+        pytest.fail(f"runs did not finish: {states}\nsqueue:\n{queue}\nlogs: {tails}")
+    return states
+
+
+def preempt_with_urgent_job() -> None:
+    """A job in the higher-priority partition that needs both nodes: SLURM preempts the running batch job."""
+    subprocess.run(["srun", "-p", "urgent", "-N2", "-n2", "--job-name=urgent", "true"],
+                   check=True, timeout=180, capture_output=True)
+
+
+def wait_step(run_dir: Path, step: int, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while executors.read_json(run_dir / "status.json").get("step", 0) < step:
+        assert time.time() < deadline, f"{run_dir.name} never reached step {step}"
+        time.sleep(0.3)
+
+
+# ---------------------------------------------------------------- with the toy trainer
+
+
+def test_two_arm_sweep_spans_two_nodes_and_completes(slurm_cluster, tmp_path):
+    runs = planned(tmp_path / "data")
+    assert [(r.plan.layout.nodes, r.plan.layout.tasks_per_node) for r in runs] == [(2, 1), (2, 1)]
+    root = tmp_path / "runs"
+    records = submit_toy(runs, root)
+    assert len({r["job_id"].split("_")[0] for r in records}) == 1  # one job array for the scale
+    dirs = [r.spec.run_dir(root) for r in runs]
+    assert set(wait_done(dirs).values()) == {"completed"}
+    for d, rec in zip(dirs, records):
+        status = executors.read_json(d / "status.json")
+        assert status["num_nodes"] == 2 and status["slurm_job_id"]
+        assert events(d)[0]["world_size"] == 2
+        assert events(d)[-1]["val/loss"] == pytest.approx(toy_loss(30, 2), rel=1e-12)
+    assert submit_toy(runs, root) == []  # resubmitting a finished sweep submits nothing
+
+
+def test_preempted_run_requeues_and_resumes(slurm_cluster, tmp_path):
+    runs = planned(tmp_path / "data", "train.steps=80")[:1]
+    root = tmp_path / "runs"
+    run_dir = runs[0].spec.run_dir(root)
+    submit_toy(runs, root)
+    wait_step(run_dir, 5)
+    preempt_with_urgent_job()
+    assert wait_done([run_dir])[run_dir] == "completed"
+    evs = events(run_dir)
+    assert [e["event"] for e in evs if "event" in e] == ["start", "preempt", "resume", "end"]
+    assert evs[1]["signal"] == 12  # SIGUSR2: submitit's preemption signal, sent at preemption
+    assert evs[0]["job"] == evs[2]["job"]  # the same SLURM job came back (requeued, not resubmitted)
+    assert evs[-1]["val/loss"] == pytest.approx(toy_loss(80, 2), rel=1e-12)
+    restarts = subprocess.run(["scontrol", "show", "job", evs[0]["job"]], capture_output=True, text=True).stdout
+    assert "Restarts=1" in restarts or "Restarts=2" in restarts, restarts
+
+
+def test_failing_run_shows_failed_with_its_error(slurm_cluster, tmp_path):
+    runs = planned(tmp_path / "data", f"logging.tags=[{FAIL_TAG}]")[:1]
+    root = tmp_path / "runs"
+    submit_toy(runs, root)
+    run_dir = runs[0].spec.run_dir(root)
+    assert wait_done([run_dir])[run_dir] == "failed"
+    out = nlq("status", str(root), "--json")
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)["runs"]
+    assert row["state"] == "failed" and row["error"] == "RuntimeError: toy failure at step 3"
+    table = nlq("status", str(root)).stdout
+    assert "failed" in table and "toy failure at step 3" in table
+
+
+def test_job_dying_before_training_shows_failed_from_submitit(slurm_cluster, tmp_path):
+    """No status.json ever written (the callable raised before training): status reads submitit's error."""
+    runs = planned(tmp_path / "data")[:1]
+    root = tmp_path / "runs"
+    decisions = executors.decide(runs, root, False)
+    executors.submit(decisions, load_cluster("local-slurm"), "slurm", root, "t", train_fn=_raise_before_training)
+    deadline = time.time() + 120
+    while (row := collect(root)[0])["state"] == "submitted":
+        assert time.time() < deadline, row
+        time.sleep(1)
+    assert row["state"] == "failed" and row["error"] == "ValueError: no dataset here", row
+
+
+def _raise_before_training(cfg, run_dir):
+    raise ValueError("no dataset here")
+
+
+# ---------------------------------------------------------------- bad input: nothing submitted
+
+
+def _queue_size() -> int:
+    return len(subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.splitlines())
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"arms": ["linear", "quadratic"]}, "unknown arm 'quadratic'"),
+        ({"lrs": [0.001, 0.0]}, "lrs.1: Input should be greater than 0"),
+        ({"arms": [{"name": "linear", "lrs": [-1e-3]}]}, "arms.0.lrs.0: Input should be greater than 0"),
+        ({"scales": ["175b"]}, "cannot fit cluster local-slurm"),
+        ({"data": {"path": "/nonexistent/prepared", "seed": 0}}, "no such dataset directory"),
+    ],
+)
+def test_bad_sweep_exits_2_with_one_line_and_submits_nothing(slurm_cluster, tmp_path, edit, message):
+    import yaml
+
+    sweep = yaml.safe_load(TEST_SWEEP.read_text()) | edit
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    before = _queue_size()
+    out = nlq("submit", str(path), "--root", str(tmp_path / "runs"))
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+    assert _queue_size() == before and not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- the real train loop, end to end
+
+
+@pytest.fixture(scope="session")
+def prepared_data(tmp_path_factory):
+    """A small real dataset through the real `prepare-data` (stdlib English text)."""
+    import pydoc_data.topics
+
+    tmp = tmp_path_factory.mktemp("data")
+    text = tmp / "topics.txt"
+    text.write_text("\n\n".join(pydoc_data.topics.topics.values()))
+    out = nlq("prepare-data", "--source", "text", "--input", str(text), "--seq-len", "64", "--no-progress",
+              "--out", str(tmp / "prepared"))
+    assert out.returncode == 0, out.stderr
+    return tmp / "prepared"
+
+
+def submit_real(root: Path, *overrides: str, extra: tuple[str, ...] = ()) -> dict:
+    out = nlq("submit", str(TEST_SWEEP), "--root", str(root), "--json", *extra, *overrides)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_real_two_arm_sweep_then_resubmit_submits_nothing(slurm_cluster, prepared_data, tmp_path):
+    root = tmp_path / "runs"
+    doc = submit_real(root, f"data.path={prepared_data}")
+    assert [r["action"] for r in doc["runs"]] == ["submit", "submit"]
+    dirs = [Path(r["run_dir"]) for r in doc["runs"]]
+    assert set(wait_done(dirs, timeout=900).values()) == {"completed"}
+    for d in dirs:
+        manifest = json.loads((d / "manifest.json").read_text())
+        assert manifest["layout"]["nodes"] == 2 and manifest["layout"]["world_size"] == 2
+        assert any("val/loss" in e for e in events(d))
+    out = nlq("status", str(root), "--json")
+    assert [r["state"] for r in json.loads(out.stdout)["runs"]] == ["completed", "completed"]
+    again = submit_real(root, f"data.path={prepared_data}")
+    assert [r["action"] for r in again["runs"]] == ["skip", "skip"]
+    assert all(r["job_id"] is None for r in again["runs"])
+
+
+def test_real_preemption_resumes_to_the_uninterrupted_loss(slurm_cluster, prepared_data, tmp_path):
+    overrides = (f"data.path={prepared_data}", "train.steps=40", "checkpoint.every=0")
+    interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
+    doc = submit_real(interrupted, *overrides, )
+    run_dir = Path(doc["runs"][0]["run_dir"])
+    wait_step(run_dir, 10, timeout=600)
+    preempt_with_urgent_job()
+    ref_doc = submit_real(reference, *overrides, )
+    ref_dir = Path(ref_doc["runs"][0]["run_dir"])
+    wait_done([run_dir, ref_dir], timeout=1200)
+    kinds = [e.get("event") for e in events(run_dir) if e.get("event")]
+    assert "preempt" in kinds and "resume" in kinds, kinds
+
+    def final_val(d):
+        return [e["val/loss"] for e in events(d) if "val/loss" in e][-1]
+
+    assert final_val(run_dir) == final_val(ref_dir)
+
+
+def test_real_failing_run_shows_failed(slurm_cluster, prepared_data, tmp_path):
+    root = tmp_path / "runs"
+    # The Transformer Engine layer spec cannot be built on this CPU-only machine: the run raises.
+    doc = submit_real(root, f"data.path={prepared_data}", "model.transformer_impl=transformer_engine")
+    dirs = [Path(r["run_dir"]) for r in doc["runs"]]
+    assert set(wait_done(dirs, timeout=600).values()) == {"failed"}
+    rows = json.loads(nlq("status", str(root), "--json").stdout)["runs"]
+    assert all(r["state"] == "failed" and r["error"] for r in rows), rows
+

@@ -1,0 +1,68 @@
+import pytest
+
+from nlq_scale.config import available, load_run_config, parse_overrides
+from nlq_scale.errors import UsageError
+from tests.conftest import nlq
+
+
+def test_layers_scale_arm_file_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train: {lr: 1.0e-3, steps: 7}\nmodel: {mlp_ratio: 4.5}\n")
+    cfg = load_run_config("124m", "nonlinear", path, ["train.steps=9", "model.nlq.activation=silu"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.arm) == (12, 768, "nonlinear")
+    assert cfg.train.lr == 1e-3 and cfg.train.steps == 9 and cfg.model.mlp_ratio == 4.5
+    assert cfg.model.nlq.activation == "silu" and cfg.variant == "nonlinear" and cfg.scale == "124m"
+
+
+def test_override_values_are_yaml_scalars():
+    assert parse_overrides(["a.b=1", "a.c=1e-3", "d=true", "e=[1, 2]", "f=x"]) == {
+        "a": {"b": 1, "c": 1e-3},
+        "d": True,
+        "e": [1, 2],
+        "f": "x",
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.foo=1"], "model.foo: unknown key"),
+        (["model.num_layers=x"], "model.num_layers"),
+        (["parallel.tp=5"], "not divisible by parallel.tp"),
+        (["model.num_query_groups=5"], "num_query_groups (5) must divide"),
+        (["parallel.pp=5"], "num_layers (12) not divisible by parallel.pp"),
+        (["model.kv_channels=32"], "query width == hidden_size"),
+        (["train.warmup_steps=5000", "train.steps=10"], "warmup_steps"),
+        (["bad"], "expected key.path=value"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_field(overrides, message):
+    with pytest.raises(UsageError) as err:
+        load_run_config("124m", "identity", overrides=overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_scale_and_malformed_yaml(tmp_path):
+    with pytest.raises(UsageError, match="unknown scale 'nope'"):
+        load_run_config("nope", "linear")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {num_layers: [1,\n")
+    with pytest.raises(UsageError, match="bad.yaml: line .* malformed YAML"):
+        load_run_config(config_path=bad)
+
+
+def test_ladder_and_arms_exist():
+    scales = set(available("scales"))
+    assert {"124m", "350m", "760m", "1.3b", "2.7b", "6.7b", "13b", "175b", "cpu-xs", "cpu-s", "cpu-m"} <= scales
+    assert {"linear", "identity", "nonlinear", "preproj", "linear-mlp4.75", "linear-matched"} <= set(available("arms"))
+    for scale in scales:
+        for arm in ("linear", "nonlinear", "identity"):
+            load_run_config(scale, arm)  # every rung admits every arm
+
+
+def test_cli_bad_input_exits_2_with_one_line():
+    r = nlq("params", "--scale", "124m", "--arm", "identity", "model.num_attention_heads=7")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "query width == hidden_size" in r.stderr
+    r = nlq("params", "--scale", "124m")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--arm" in r.stderr
