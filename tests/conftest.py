@@ -75,3 +75,23 @@ def run_ranks(script: str, nproc: int, *args: str, timeout: float = 600) -> None
     if any(p.returncode for p in procs):
         tails = "\n".join(f"--- rank {i} (exit {p.returncode})\n{o[-3000:]}" for i, (p, o) in enumerate(zip(procs, outputs)))
         pytest.fail(f"{script} failed:\n{tails}")
+
+
+@pytest.fixture(scope="session")
+def sample_dataset(tmp_path_factory) -> Path:
+    """The bundled sample corpus prepared at seq_length 64 (the cpu-* scales), once per session."""
+    out = tmp_path_factory.mktemp("data") / "sample-64"
+    r = nlq("prepare-data", "--sample", "--out", str(out), "--seq-len", "64", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def last_by_step(records: list[dict], key: str) -> dict[int, object]:
+    """The last value logged for `key` at each step (a resumed run re-logs the steps it redoes)."""
+    return {r["step"]: r[key] for r in records if key in r}

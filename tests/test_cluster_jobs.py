@@ -15,6 +15,7 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
+import yaml
 
 from nlq_scale.cluster import executors
 from nlq_scale.cluster.job import ReceivedSignals, TrainJob, submitit_handles
@@ -113,6 +114,22 @@ cloudpickle.register_pickle_by_value(__import__(__name__, fromlist=["_"]))  # jo
 
 def planned(data_dir: Path, *overrides: str, sweep: Path = TEST_SWEEP):
     return plan_sweep(load_sweep(sweep), load_cluster("local-slurm"), [f"data.path={data_dir}", *overrides])
+
+
+def prepare_text_dataset(tmp: Path, seq_len: int = 64) -> Path:
+    """A small real dataset through the real `prepare-data`: stdlib English text, one doc per topic."""
+    import pydoc_data.topics
+
+    from tests.conftest import nlq
+
+    docs = tmp / "docs"
+    docs.mkdir()
+    for i, (_, text) in enumerate(sorted(pydoc_data.topics.topics.items())):
+        (docs / f"{i:03d}.txt").write_text(text)
+    out = nlq("prepare-data", "--source", "text", "--input", str(docs), "--seq-len", str(seq_len), "--val-docs", "8",
+              "--no-progress", "--out", str(tmp / "prepared"))
+    assert out.returncode == 0, out.stderr
+    return tmp / "prepared"
 
 
 def wait_states(run_dirs: list[Path], done: set[str], timeout: float) -> dict[Path, str]:
@@ -217,6 +234,34 @@ def test_local_preemption_requeues_through_submitit_and_resumes(tmp_path):
     assert [e["event"] for e in events if "event" in e] == ["start", "preempt", "resume", "end"]
     assert events[-1]["val/loss"] == pytest.approx(toy_loss(40, 2), rel=1e-12)
     assert executors.read_json(run_dir / "status.json")["state"] == "completed"
+
+
+def test_running_but_dead_run_is_resumed_and_shown_dead(tmp_path):
+    import subprocess
+
+    runs = planned(tmp_path / "data")[:1]
+    root = tmp_path / "runs"
+    run_dir = runs[0].spec.run_dir(root)
+    run_dir.mkdir(parents=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "running", "step": 7, "total_steps": 30}))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (run_dir / "job.json").write_text(json.dumps({"executor": "local", "job_id": str(gone.pid)}))
+    (decision,) = executors.decide(runs, root, retry_failed=False)
+    assert (decision.action, decision.reason) == ("resume", "running at step 7, no live job")
+    assert collect(root)[0]["state"] == "dead"
+
+
+def test_run_dir_with_another_config_is_refused_before_anything_happens(tmp_path):
+    from nlq_scale.errors import UsageError
+
+    runs = planned(tmp_path / "data")[:1]
+    root = tmp_path / "runs"
+    run_dir = runs[0].spec.run_dir(root)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(runs[0].cfg.model_dump(mode="json") | {"seed": 1}))
+    with pytest.raises(UsageError, match=f"run {runs[0].spec.run_id} exists with a different config"):
+        executors.decide(runs, root, retry_failed=False)
 
 
 def _task_pids(run_dir: Path) -> list[int]:

@@ -20,7 +20,9 @@ from nlq_scale.cluster import executors
 from nlq_scale.cluster.plan import load_cluster
 from nlq_scale.cluster.status import collect
 from tests.conftest import nlq
-from tests.test_cluster_jobs import FAIL_TAG, TEST_SWEEP, planned, toy_loss, toy_train, wait_states
+from tests.test_cluster_jobs import (
+    FAIL_TAG, TEST_SWEEP, planned, prepare_text_dataset, toy_loss, toy_train, wait_states,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -87,6 +89,9 @@ def test_two_arm_sweep_spans_two_nodes_and_completes(slurm_cluster, tmp_path):
     root = tmp_path / "runs"
     records = submit_toy(runs, root)
     assert len({r["job_id"].split("_")[0] for r in records}) == 1  # one job array for the scale
+    queued = executors.decide(runs, root, retry_failed=False)  # while queued or running: hands off
+    assert [(d.action, d.reason) for d in queued] == [
+        ("skip", f"job {r['job_id']} still queued or running") for r in records]
     dirs = [r.spec.run_dir(root) for r in runs]
     assert set(wait_done(dirs).values()) == {"completed"}
     for d, rec in zip(dirs, records):
@@ -180,20 +185,21 @@ def test_bad_sweep_exits_2_with_one_line_and_submits_nothing(slurm_cluster, tmp_
 
 @pytest.fixture(scope="session")
 def prepared_data(tmp_path_factory):
-    """A small real dataset through the real `prepare-data` (stdlib English text)."""
-    import pydoc_data.topics
-
-    tmp = tmp_path_factory.mktemp("data")
-    text = tmp / "topics.txt"
-    text.write_text("\n\n".join(pydoc_data.topics.topics.values()))
-    out = nlq("prepare-data", "--source", "text", "--input", str(text), "--seq-len", "64", "--no-progress",
-              "--out", str(tmp / "prepared"))
-    assert out.returncode == 0, out.stderr
-    return tmp / "prepared"
+    return prepare_text_dataset(tmp_path_factory.mktemp("data"))
 
 
-def submit_real(root: Path, *overrides: str, extra: tuple[str, ...] = ()) -> dict:
-    out = nlq("submit", str(TEST_SWEEP), "--root", str(root), "--json", *extra, *overrides)
+@pytest.fixture
+def one_arm_sweep(tmp_path) -> Path:
+    import yaml
+
+    sweep = yaml.safe_load(TEST_SWEEP.read_text()) | {"arms": ["linear"]}
+    path = tmp_path / "one-arm.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    return path
+
+
+def submit_real(root: Path, *overrides: str, sweep: Path = TEST_SWEEP) -> dict:
+    out = nlq("submit", str(sweep), "--root", str(root), "--json", *overrides)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -215,18 +221,19 @@ def test_real_two_arm_sweep_then_resubmit_submits_nothing(slurm_cluster, prepare
     assert all(r["job_id"] is None for r in again["runs"])
 
 
-def test_real_preemption_resumes_to_the_uninterrupted_loss(slurm_cluster, prepared_data, tmp_path):
+def test_real_preemption_resumes_to_the_uninterrupted_loss(slurm_cluster, prepared_data, tmp_path, one_arm_sweep):
     overrides = (f"data.path={prepared_data}", "train.steps=40", "checkpoint.every=0")
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
-    doc = submit_real(interrupted, *overrides, )
-    run_dir = Path(doc["runs"][0]["run_dir"])
+    (run,) = submit_real(interrupted, *overrides, sweep=one_arm_sweep)["runs"]
+    run_dir = Path(run["run_dir"])
     wait_step(run_dir, 10, timeout=600)
     preempt_with_urgent_job()
-    ref_doc = submit_real(reference, *overrides, )
-    ref_dir = Path(ref_doc["runs"][0]["run_dir"])
-    wait_done([run_dir, ref_dir], timeout=1200)
-    kinds = [e.get("event") for e in events(run_dir) if e.get("event")]
+    (ref,) = submit_real(reference, *overrides, sweep=one_arm_sweep)["runs"]
+    ref_dir = Path(ref["run_dir"])
+    assert set(wait_done([run_dir, ref_dir], timeout=1200).values()) == {"completed"}
+    kinds = [e["event"] for e in events(run_dir) if e.get("event")]
     assert "preempt" in kinds and "resume" in kinds, kinds
+    assert executors.read_json(run_dir / "status.json")["slurm_job_id"] == run["job_id"]  # requeued, same job
 
     def final_val(d):
         return [e["val/loss"] for e in events(d) if "val/loss" in e][-1]
@@ -234,12 +241,12 @@ def test_real_preemption_resumes_to_the_uninterrupted_loss(slurm_cluster, prepar
     assert final_val(run_dir) == final_val(ref_dir)
 
 
-def test_real_failing_run_shows_failed(slurm_cluster, prepared_data, tmp_path):
+def test_real_failing_run_shows_failed(slurm_cluster, prepared_data, tmp_path, one_arm_sweep):
     root = tmp_path / "runs"
     # The Transformer Engine layer spec cannot be built on this CPU-only machine: the run raises.
-    doc = submit_real(root, f"data.path={prepared_data}", "model.transformer_impl=transformer_engine")
-    dirs = [Path(r["run_dir"]) for r in doc["runs"]]
-    assert set(wait_done(dirs, timeout=600).values()) == {"failed"}
-    rows = json.loads(nlq("status", str(root), "--json").stdout)["runs"]
-    assert all(r["state"] == "failed" and r["error"] for r in rows), rows
-
+    doc = submit_real(root, f"data.path={prepared_data}", "model.transformer_impl=transformer_engine",
+                      sweep=one_arm_sweep)
+    (run_dir,) = [Path(r["run_dir"]) for r in doc["runs"]]
+    assert wait_done([run_dir], timeout=600)[run_dir] == "failed"
+    (row,) = json.loads(nlq("status", str(root), "--json").stdout)["runs"]
+    assert row["state"] == "failed" and row["error"], row

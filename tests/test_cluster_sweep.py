@@ -13,7 +13,7 @@ from nlq_scale.cluster.sweep import expand, load_sweep, run_id_for
 from nlq_scale.errors import UsageError
 from nlq_scale.model.accounting import count_parameters
 from tests.conftest import nlq
-from tests.test_cluster_jobs import TEST_SWEEP
+from tests.test_cluster_jobs import TEST_SWEEP, prepare_text_dataset
 
 
 def write_sweep(tmp_path, **fields):
@@ -118,28 +118,23 @@ def test_bad_sweeps_are_usage_errors_naming_the_field(tmp_path, fields, message)
         expand(load_sweep(write_sweep(tmp_path, **fields)))
 
 
-def test_submit_dry_run_validates_and_lists_without_submitting(tmp_path):
-    out = nlq("submit", str(TEST_SWEEP), "--root", str(tmp_path / "runs"), "--dry-run", "--json",
-              f"data.path={tmp_path / 'missing'}")
-    assert out.returncode == 2 and "no such dataset directory" in out.stderr and out.stdout == ""
-    prepared = _prepare(tmp_path)
-    out = nlq("submit", str(TEST_SWEEP), "--root", str(tmp_path / "runs"), "--dry-run", "--json",
-              f"data.path={prepared}")
+@pytest.mark.slow
+def test_submit_validates_data_and_dry_run_lists_without_submitting(tmp_path):
+    root = tmp_path / "runs"
+
+    def submit(*args):
+        return nlq("submit", str(TEST_SWEEP), "--root", str(root), "--dry-run", "--json", *args)
+
+    out = submit(f"data.path={tmp_path / 'missing'}")
+    assert out.returncode == 2 and "data.path" in out.stderr and "no such dataset directory" in out.stderr
+    prepared = prepare_text_dataset(tmp_path)
+    out = submit(f"data.path={prepared}", "model.seq_length=32")
+    assert out.returncode == 2 and "prepared with --seq-len 64, but model.seq_length is 32" in out.stderr
+    out = submit(f"data.path={prepared}", "data.val_sequences=4096")
+    assert out.returncode == 2 and "data.val_sequences: the validation split holds" in out.stderr
+    out = submit(f"data.path={prepared}")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert [(r["action"], r["nodes"], r["tasks_per_node"], r["job_id"]) for r in doc["runs"]] == [
         ("submit", 2, 1, None), ("submit", 2, 1, None)]
-    assert not (tmp_path / "runs").exists()
-
-
-def _prepare(tmp_path):
-    import pydoc_data.topics
-
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i, text in enumerate(sorted(pydoc_data.topics.topics.values())[:30]):
-        (docs / f"{i:03d}.txt").write_text(text)
-    out = nlq("prepare-data", "--source", "text", "--input", str(docs), "--seq-len", "64", "--val-docs", "4",
-              "--no-progress", "--out", str(tmp_path / "prepared"))
-    assert out.returncode == 0, out.stderr
-    return tmp_path / "prepared"
+    assert not root.exists()

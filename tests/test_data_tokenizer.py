@@ -44,3 +44,11 @@ def test_no_tiktoken_cache_copies(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", None)
     gpt2_tokenizer()
     assert not (tmp_path / "data-gym-cache").exists()
+
+
+def test_documents_are_ordinary_encodings(tok):
+    from tests.test_data_helpers import documents
+
+    docs = documents(50)
+    for text, ids in zip(docs, tok.encode_documents(docs)):
+        assert ids[:-1].tolist() == tok.encoding.encode_ordinary(text)

@@ -88,7 +88,8 @@ def run_row(run_dir: Path, root: Path, alive: bool | None) -> dict[str, Any]:
         "total_steps": status.get("total_steps"),
         "tokens": status.get("tokens"),
         "val_loss": last_val_loss(run_dir),
-        "slurm_job_id": status.get("slurm_job_id") or (job.get("job_id") if job.get("executor") == "slurm" else None),
+        # submitit's id (array tasks as 12_3, as squeue shows them), else what the job itself saw.
+        "slurm_job_id": (job.get("job_id") if job.get("executor") == "slurm" else None) or status.get("slurm_job_id"),
         "job_id": job.get("job_id"),
         "executor": job.get("executor"),
         "num_nodes": status.get("num_nodes"),

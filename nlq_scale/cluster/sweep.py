@@ -282,8 +282,9 @@ def data_paths(cfg: RunConfig) -> list[str]:
 
 
 def check_prepared_data(specs: Iterable[RunSpec]) -> None:
-    """Every local dataset a run reads must be prepared, for the run's sequence length (the data
-    part's structural checks, without importing streaming): fail before submitting anything."""
+    """Every local dataset a run reads must be prepared, for the run's sequence length, with enough
+    validation sequences (the data part's structural checks, without importing streaming): fail
+    before submitting anything. Remote (scheme://) datasets are left to the job."""
     from nlq_scale.data.prepared import open_prepared
 
     opened: dict[str, Any] = {}
@@ -291,9 +292,9 @@ def check_prepared_data(specs: Iterable[RunSpec]) -> None:
         paths = data_paths(spec.cfg)
         if not paths:
             raise UsageError(f"run {spec.run_id}: data.path: no dataset given")
+        if any("://" in p for p in paths):
+            continue
         for i, path in enumerate(paths):
-            if "://" in path:
-                continue
             field = f"run {spec.run_id}: " + (f"data.streams.{i}.path" if spec.cfg.data.streams else "data.path")
             if path not in opened:
                 opened[path] = open_prepared(path, field=field)
@@ -302,6 +303,12 @@ def check_prepared_data(specs: Iterable[RunSpec]) -> None:
                     f"{field} {path}: prepared with --seq-len {opened[path].seq_len}, but model.seq_length is "
                     f"{spec.cfg.model.seq_length}"
                 )
+        held = sum(opened[p].sequences("val") for p in paths)
+        if held < spec.cfg.data.val_sequences:
+            raise UsageError(
+                f"run {spec.run_id}: data.val_sequences: the validation split holds {held} sequences, fewer than "
+                f"{spec.cfg.data.val_sequences}"
+            )
 
 
 def sweep_path(name_or_path: str) -> Path:

@@ -23,7 +23,7 @@ class NonlinearQueryConfig(Strict):
     """Q(X) = mix * X + (1 - mix) * f(X), f = LN(W2 act(W1 RMSNorm X)); the paper uses mix = 1/2."""
 
     rank: PositiveInt | None = Field(None, description="width r of W1 (d -> r); default d/2")
-    activation: Activation = "gelu"
+    activation: Activation = Field("gelu", description="nonlinearity between W1 and W2")
     mix: float = Field(0.5, ge=0.0, le=1.0, description="weight of the X skip; f(X) gets 1 - mix")
 
 
@@ -31,37 +31,37 @@ class PreprojConfig(Strict):
     """RMSNorm -> x + W_down act(W_up x) before Q/K/V, plus a content skip W_skip after attention."""
 
     rank: PositiveInt | None = Field(None, description="width of W_up; default d/2")
-    activation: Activation = "gelu"
+    activation: Activation = Field("gelu", description="nonlinearity of the pre-projection MLP")
     skip_init_std: float = Field(1e-4, ge=0.0, description="W_skip starts near zero")
 
 
 class MoEConfig(Strict):
     num_experts: PositiveInt | None = Field(None, description="None = dense MLP")
-    router_topk: PositiveInt = 2
-    aux_loss_coeff: float = Field(1e-2, ge=0.0)
+    router_topk: PositiveInt = Field(2, description="experts per token")
+    aux_loss_coeff: float = Field(1e-2, ge=0.0, description="load-balancing loss weight")
 
 
 class ModelConfig(Strict):
-    arm: Arm = "linear"
-    num_layers: PositiveInt = 12
-    hidden_size: PositiveInt = 768
-    num_attention_heads: PositiveInt = 12
+    arm: Arm = Field("linear", description="query variant: linear (X W_Q), identity (X), nonlinear ((X + f(X))/2), preproj")
+    num_layers: PositiveInt = Field(12, description="transformer layers")
+    hidden_size: PositiveInt = Field(768, description="d_model")
+    num_attention_heads: PositiveInt = Field(12, description="query heads")
     num_query_groups: PositiveInt | None = Field(None, description="GQA groups; None = one per head")
     kv_channels: PositiveInt | None = Field(None, description="head dim; default hidden/heads")
     mlp_ratio: PositiveFloat = Field(4.0, description="MLP width / hidden size")
     match_params_of: Arm | None = Field(
         None, description="linear arm only: solve mlp_ratio so non-embedding params match this arm"
     )
-    seq_length: PositiveInt = 1024
-    vocab_size: PositiveInt = 50257
-    make_vocab_size_divisible_by: PositiveInt = 128
-    position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
-    rotary_base: PositiveInt = 10000
-    tie_embeddings: bool = True
-    add_bias_linear: bool = False
-    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
-    qk_norm: bool = False
-    init_std: PositiveFloat = 0.02
+    seq_length: PositiveInt = Field(1024, description="context length (tokens per sequence)")
+    vocab_size: PositiveInt = Field(50257, description="tokenizer vocabulary (GPT-2 BPE)")
+    make_vocab_size_divisible_by: PositiveInt = Field(128, description="pad the embedding rows (50257 -> 50304)")
+    position_embedding: Literal["learned_absolute", "rope"] = Field("learned_absolute", description="GPT-2 learned positions or rotary")
+    rotary_base: PositiveInt = Field(10000, description="RoPE base")
+    tie_embeddings: bool = Field(True, description="share input embedding and output layer")
+    add_bias_linear: bool = Field(False, description="biases in linear layers (the papers: none)")
+    normalization: Literal["LayerNorm", "RMSNorm"] = Field("LayerNorm", description="block norms")
+    qk_norm: bool = Field(False, description="normalise queries and keys per head before attention")
+    init_std: PositiveFloat = Field(0.02, description="weight init std (output layers scaled by 1/sqrt(2L))")
     softmax_scale: PositiveFloat | None = Field(
         None, description="None = arm default: 1/sqrt(d_k), identity 1/(2 sqrt(d_k))"
     )
@@ -71,7 +71,7 @@ class ModelConfig(Strict):
     transformer_impl: Literal["local", "transformer_engine"] = Field(
         "local", description="transformer_engine needs a GPU with TE installed (untested on CPU)"
     )
-    bf16: bool = False
+    bf16: bool = Field(False, description="bf16 parameters/compute (GPU; CPU works but is slow)")
 
     @property
     def head_dim(self) -> int:
@@ -114,15 +114,15 @@ class ParallelConfig(Strict):
     tp: PositiveInt = Field(1, description="tensor-parallel size")
     pp: PositiveInt = Field(1, description="pipeline-parallel size")
     ep: PositiveInt = Field(1, description="expert-parallel size (MoE)")
-    sequence_parallel: bool = False
+    sequence_parallel: bool = Field(False, description="megatron sequence parallelism (needs tp > 1; linear arm)")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="activation recomputation (megatron recompute_granularity); the planner assumes it"
     )
 
 
 class StreamConfig(Strict):
-    path: str
-    proportion: PositiveFloat
+    path: str = Field(description="prepared dataset dir")
+    proportion: PositiveFloat = Field(description="share of samples from this dataset")
 
 
 class DataConfig(Strict):
@@ -135,7 +135,7 @@ class DataConfig(Strict):
     num_canonical_nodes: PositiveInt = Field(
         1, description="fixed so the global batch at step k is the same for any world size"
     )
-    num_workers: int = Field(0, ge=0)
+    num_workers: int = Field(0, ge=0, description="DataLoader workers per data-parallel rank")
     val_sequences: PositiveInt = Field(64, description="fixed validation set size (sequences)")
 
     @model_validator(mode="after")
@@ -151,26 +151,27 @@ class DivergenceConfig(Strict):
 
 
 class TrainConfig(Strict):
-    engine: Literal["megatron", "deepspeed"] = "megatron"
+    engine: Literal["megatron", "deepspeed"] = Field(
+        "megatron", description="megatron (DDP + distributed optimizer, TP/PP/EP) or deepspeed (ZeRO 0-3, PP=1)"
+    )
     distributed_optimizer: bool = Field(True, description="megatron engine: shard optimizer state over DP")
     zero_stage: int = Field(1, ge=0, le=3, description="deepspeed engine: ZeRO stage")
-    steps: PositiveInt = 1000
+    steps: PositiveInt = Field(1000, description="optimizer steps (the sweep derives it from its horizon)")
     global_batch_size: PositiveInt = Field(480, description="sequences per optimizer step")
-    micro_batch_size: PositiveInt = 8
-    lr: PositiveFloat = 6e-4
+    micro_batch_size: PositiveInt = Field(8, description="sequences per forward/backward; grad-accum fills the global batch")
+    lr: PositiveFloat = Field(6e-4, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="min lr = lr * min_lr_ratio")
-    lr_schedule: Literal["cosine", "linear", "wsd"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["cosine", "linear", "wsd"] = Field("cosine", description="decay after warmup: cosine, linear to the floor, warmup-stable-decay")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
     wsd_decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="wsd: final fraction that decays")
-    weight_decay: float = Field(0.1, ge=0.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.95, ge=0.0, lt=1.0)
-    eps: PositiveFloat = 1e-8
+    weight_decay: float = Field(0.1, ge=0.0, description="AdamW decay on >=2-D weights only")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW beta2")
+    eps: PositiveFloat = Field(1e-8, description="AdamW epsilon")
     grad_clip: float = Field(1.0, ge=0.0, description="0 = off")
-    z_loss: float = Field(0.0, ge=0.0)
-    eval_every: PositiveInt = 100
-    log_every: PositiveInt = 10
-    log_max_attn_logit: bool = False
+    z_loss: float = Field(0.0, ge=0.0, description="weight of mean(logsumexp(logits)^2) (PaLM z-loss)")
+    eval_every: PositiveInt = Field(100, description="validation every N steps (and at the end)")
+    log_every: PositiveInt = Field(10, description="progress line every N steps (metrics.jsonl gets every step)")
     device_peak_flops: PositiveFloat | None = Field(None, description="per device; enables mfu")
     divergence: DivergenceConfig = DivergenceConfig()
     nan_at_step: PositiveInt | None = Field(None, description="test hook: poison the loss at this step")
@@ -188,11 +189,11 @@ class CheckpointConfig(Strict):
 
 
 class LoggingConfig(Strict):
-    wandb: bool = True
-    wandb_mode: Literal["offline", "online"] = "offline"
-    wandb_project: str = "nlq-scale"
-    wandb_entity: str | None = None
-    tags: list[str] = []
+    wandb: bool = Field(True, description="mirror metrics to W&B (metrics.jsonl is the source of truth)")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="offline keeps the run in <run dir>/wandb; `wandb sync` later")
+    wandb_project: str = Field("nlq-scale", description="W&B project")
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user)")
+    tags: list[str] = Field([], description="extra W&B tags (arm, scale, seed, lr are added)")
 
 
 class RunConfig(Strict):

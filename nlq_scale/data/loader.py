@@ -57,15 +57,19 @@ def _checked_datasets(data: DataConfig, seq_length: int) -> list[tuple[PreparedD
     return datasets
 
 
+def _manifest_digest(datasets: list[tuple[PreparedDataset, float | None]]) -> str:
+    first, proportion = datasets[0]
+    if proportion is None:  # data.path
+        return first.manifest_sha256
+    entries = sorted([ds.manifest_sha256, p] for ds, p in datasets)
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
 def dataset_manifest_sha256(data: DataConfig) -> str | None:
     """sha256 of the dataset's manifest.json; for a mixture, of the sorted (sha256, proportion) list."""
     if data.path is None and not data.streams:
         return None
-    datasets = _datasets(data)
-    if data.path is not None:
-        return datasets[0][0].manifest_sha256
-    entries = sorted([ds.manifest_sha256, proportion] for ds, proportion in datasets)
-    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+    return _manifest_digest(_datasets(data))
 
 
 # ---- training stream --------------------------------------------------------------------------
@@ -208,7 +212,7 @@ def make_train_loader(
             f"data: an epoch holds {dataset.epoch_size} sequences, fewer than one global batch ({global_batch})"
         )
     identity = {
-        "dataset": dataset_manifest_sha256(data),
+        "dataset": _manifest_digest(datasets),
         "seed": data.seed,
         "shuffle_algo": data.shuffle_algo,
         "num_canonical_nodes": ncn,

@@ -20,6 +20,7 @@ import heapq
 import json
 import os
 import shutil
+import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -269,14 +270,15 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _staging_dir(out: Path) -> Path:
-    """`.<name>.partial-<pid>` beside DIR (same file system, so the final rename is atomic); the
-    partial directories of dead earlier runs are removed first."""
+    """`.<name>.partial-<host>-<pid>` beside DIR (same file system, so the final rename is
+    atomic); partial directories of dead earlier runs on this host are removed first."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}.partial-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
+    mine = f".{out.name}.partial-{socket.gethostname().split('.')[0]}-"
+    for stale in out.parent.glob(f"{mine}*"):
+        pid = stale.name[len(mine) :]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    staging = out.parent / f"{mine}{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     return staging

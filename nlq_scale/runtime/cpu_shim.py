@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -147,3 +148,23 @@ def apply() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     torch.cuda._nlq_cpu_shim = True
+
+
+def _no_shm_op() -> None:
+    return None
+
+
+def apply_deepspeed() -> None:
+    """DeepSpeed on CPU. Call before `deepspeed.initialize`; a no-op with CUDA."""
+    if not needed():
+        return
+    # deepspeed.accelerator.real_accelerator.get_accelerator (first call: `import deepspeed`) warns
+    # on every rank when its auto-detection falls back to CPU: name the CPU accelerator instead.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # `import deepspeed.comm.torch as m` would bind the `torch` name deepspeed.comm re-exports.
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    # deepspeed.comm.torch.TorchBackend.__init__ (deepspeed.initialize -> init_distributed, which
+    # wraps the gloo group we already made) JIT-compiles the shared-memory all-reduce op (37-95 s)
+    # after probing every op with compiler runs. Only inference_all_reduce uses it, and that falls
+    # back to the process group's all_reduce without it.
+    ds_comm_torch.build_shm_op = _no_shm_op

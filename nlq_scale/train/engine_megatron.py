@@ -126,8 +126,65 @@ class MegatronEngine:
     def save(self, ckpt_dir: Path) -> None:
         dist_checkpointing.save(self._sharded_state(is_loading=False), str(ckpt_dir))
 
+    def _fallback_distributed_optimizers(self) -> list:
+        """megatron's distributed optimizers that run on torch's Adam (no Apex / Transformer
+        Engine: the CPU path). megatron-core 0.16.1 mishandles Adam's `step` there; the three
+        methods below mend it where the state is built and loaded."""
+        from megatron.core.optimizer import distrib_optimizer
+
+        if distrib_optimizer.HAVE_APEX_OR_TE:
+            return []
+        chain = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [o for o in chain if isinstance(o, distrib_optimizer.DistributedOptimizer)]
+
+    def _torch_adams(self) -> list[torch.optim.Optimizer]:
+        return [o.optimizer for o in self._fallback_distributed_optimizers()]
+
+    def _skip_step_when_loading_param_state(self) -> None:
+        """Loading a fully reshardable state copies every key of the live Adam state from the
+        checkpoint's per-parameter tensors, which never hold `step` (KeyError 'step'): copy the
+        others and leave `step` to load_state_dict."""
+        for opt in self._fallback_distributed_optimizers():
+            original = opt._set_main_param_and_optimizer_states
+
+            def set_states(model_param, tensors, opt=opt, original=original):
+                group_index, group_order = opt.model_param_group_index_map[model_param]
+                state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+                step = state.pop("step", None)
+                try:
+                    original(model_param, tensors)
+                finally:
+                    if step is not None:
+                        state["step"] = step
+
+            opt._set_main_param_and_optimizer_states = set_states
+
+    def _materialize_adam_state(self) -> None:
+        """megatron-core 0.16.1's torch-Adam fallback asserts on the `step` of a fresh optimizer when
+        asked for its state dict (as loading does): create the state Adam would create lazily."""
+        for adam in self._torch_adams():
+            for group in adam.param_groups:
+                for p in group["params"]:
+                    if p not in adam.state:
+                        adam.state[p] = {
+                            "step": torch.tensor(0.0),
+                            "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p),
+                        }
+
+    def _unshare_adam_steps(self) -> None:
+        """...and after loading, every parameter's `step` is ONE shared tensor, which torch Adam
+        increments in place once per parameter: give each parameter its own copy, or the bias
+        correction is silently wrong after a resume."""
+        for adam in self._torch_adams():
+            for state in adam.state.values():
+                state["step"] = state["step"].clone()
+
     def load(self, ckpt_dir: Path) -> None:
+        self._materialize_adam_state()
+        self._skip_step_when_loading_param_state()
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(ckpt_dir))
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._unshare_adam_steps()
         dist.barrier()

@@ -1,0 +1,333 @@
+"""The DeepSpeed engine: ZeRO stage 0-3 (`deepspeed.initialize`) around the same megatron-core GPT
+and loss as the megatron engine, with DeepSpeed checkpoints that resume at another data- or
+tensor-parallel size through universal-checkpoint conversion.
+
+Inside a checkpoint dir this engine writes:
+  deepspeed/           DeepSpeed's own files (tag "deepspeed": model states, ZeRO shards)
+  deepspeed.json       the layout it was saved at (see `_Layout`), read back by `load`
+  universal.tmp/       only while loading at another layout: the ds_to_universal conversion
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import json
+import re
+import shutil
+from argparse import Namespace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from torch import Tensor
+
+from nlq_scale.config.schema import RunConfig
+from nlq_scale.errors import UsageError
+from nlq_scale.model.gpt import build_gpt
+from nlq_scale.runtime import cpu_shim
+from nlq_scale.train.engine_common import StepStats, lm_loss, reduce_last_stage_mean
+from nlq_scale.train.rundir import write_json
+
+TAG = "deepspeed"
+LAYOUT_FILE = "deepspeed.json"
+UNIVERSAL_DIR = "universal.tmp"
+
+
+class MegatronMpu:
+    """The model-parallel unit DeepSpeed asks for, answered by megatron's parallel_state. DeepSpeed's
+    "model parallel" is tensor parallel here (the engine runs with PP=1 only)."""
+
+    get_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)
+    get_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
+    get_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_src_rank = staticmethod(ps.get_tensor_model_parallel_src_rank)
+    get_data_parallel_rank = staticmethod(ps.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(ps.get_data_parallel_world_size)
+    get_data_parallel_group = staticmethod(ps.get_data_parallel_group)
+    get_pipeline_model_parallel_rank = staticmethod(ps.get_pipeline_model_parallel_rank)
+    get_pipeline_model_parallel_world_size = staticmethod(ps.get_pipeline_model_parallel_world_size)
+    get_pipeline_model_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
+
+    @staticmethod
+    def get_data_parallel_group_ranks() -> list[int]:
+        return dist.get_process_group_ranks(ps.get_data_parallel_group())
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What decides whether DeepSpeed can load its own files as they are."""
+
+    dp: int
+    tp: int
+    zero_stage: int
+    bf16: bool
+
+    @property
+    def replicated_optimizer(self) -> bool:
+        # ZeRO-0 saves the whole optimizer with the model states (written by DP rank 0, read by all).
+        return self.zero_stage == 0
+
+    def loads_plainly(self, saved: _Layout) -> bool:
+        return saved == self or (saved.replicated_optimizer and replace(saved, dp=self.dp) == self)
+
+
+def ds_config(cfg: RunConfig, dp: int, load_universal: bool = False) -> dict:
+    """DeepSpeed's config for this run at data-parallel size `dp`."""
+    t = cfg.train
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * dp),
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": cfg.model.bf16},
+        # bf16 grads accumulate over micro-batches in fp32, as megatron's grad buffers do. DeepSpeed
+        # offers that with ZeRO >= 1 only; ZeRO-0 + bf16 accumulates in bf16.
+        "data_types": {"grad_accum_dtype": "fp32" if t.zero_stage > 0 else None},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": t.lr,
+                "betas": [t.beta1, t.beta2],
+                "eps": t.eps,
+                "weight_decay": t.weight_decay,
+                "torch_adam": True,  # torch.optim.AdamW (as the megatron engine on CPU): no op compile
+            },
+        },
+        "checkpoint": {"load_universal": load_universal},
+        "steps_per_print": 2**62,  # the loop reports progress; DeepSpeed's own lines are noise
+        "wall_clock_breakdown": False,
+    }
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only, none on norms and biases (as megatron does)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def universal_checkpoint_info(model: torch.nn.Module) -> dict:
+    """How ds_to_universal merges tensor-parallel slices: megatron tags each sharded parameter with
+    its partition dim (0 = column-parallel, the converter's default; 1 = row-parallel); the rest are
+    replicated across TP ranks."""
+    from deepspeed.checkpoint import (
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+        TP_REPLICATED_PARAMETER_PATTERNS,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    )
+
+    replicated, row_parallel = [], []
+    for name, param in model.named_parameters():
+        pattern = re.escape(name) + "$"
+        if not getattr(param, "tensor_model_parallel", False):
+            replicated.append(pattern)
+        elif param.partition_dim == 1:
+            row_parallel.append(pattern)
+    return {
+        UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4,
+        TP_REPLICATED_PARAMETER_PATTERNS: replicated,
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: row_parallel,
+    }
+
+
+def _check_supported(cfg: RunConfig) -> None:
+    p = cfg.parallel
+    if p.ep > 1:
+        raise UsageError("train.engine=deepspeed: parallel.ep must be 1 (DeepSpeed does not reduce megatron expert grads)")
+    if p.sequence_parallel:
+        raise UsageError("train.engine=deepspeed: parallel.sequence_parallel is unsupported (norm grads need megatron's TP reduction)")
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        _check_supported(cfg)
+        self.cfg = cfg
+        self.layout = _Layout(
+            dp=ps.get_data_parallel_world_size(),
+            tp=ps.get_tensor_model_parallel_world_size(),
+            zero_stage=cfg.train.zero_stage,
+            bf16=cfg.model.bf16,
+        )
+        self._positions = torch.arange(cfg.model.seq_length).unsqueeze(0)
+        self._poison = False
+        self.engine = self._initialize(load_universal=False)
+
+    def _initialize(self, load_universal: bool):
+        cpu_shim.apply_deepspeed()
+        import deepspeed
+
+        model_parallel_cuda_manual_seed(self.cfg.seed)
+        model = build_gpt(self.cfg.model, self.cfg.parallel)
+        # DeepSpeed saves this with the model states; ds_to_universal needs it (stage 1/2).
+        model.universal_checkpoint_info = universal_checkpoint_info(model)
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=_param_groups(model, self.cfg.train.weight_decay),
+            config=ds_config(self.cfg, self.layout.dp, load_universal),
+            mpu=MegatronMpu(),
+        )
+        return engine
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def poison_next_loss(self) -> None:
+        """Test hook (train.nan_at_step): the next training loss becomes NaN."""
+        self._poison = True
+
+    def _loss(self, tokens: Tensor) -> Tensor:
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        logits = self.engine(inputs, self._positions.expand(inputs.shape[0], -1), None)
+        return lm_loss(logits, labels, self.cfg.train.z_loss)
+
+    def _micro_batches(self, tokens: Tensor) -> list[Tensor]:
+        micro = list(tokens.split(self.cfg.train.micro_batch_size))
+        expected = self.engine.gradient_accumulation_steps()
+        if len(micro) != expected or micro[-1].shape[0] != self.cfg.train.micro_batch_size:
+            raise ValueError(
+                f"rank batch of {tokens.shape[0]} sequences is not {expected} micro-batches of "
+                f"{self.cfg.train.micro_batch_size}"
+            )
+        return micro
+
+    def _own_grad_norm(self) -> float | None:
+        """ZeRO-0 fp32 clips with DeepSpeed's clip_grad_norm_ and discards the norm; measure it the
+        same way (the grads are already data-parallel reduced after the boundary backward)."""
+        if self.engine.zero_optimization() or self.engine.bfloat16_enabled():
+            return None
+        from deepspeed.runtime.utils import get_flattened_grad_norm
+
+        return float(get_flattened_grad_norm(self.engine.module.parameters(), mpu=self.engine.mpu))
+
+    def train_step(self, tokens: Tensor) -> StepStats:
+        self.engine.train()
+        micro = self._micro_batches(tokens)
+        losses, own_norm = [], None
+        for i, batch in enumerate(micro):
+            loss = self._loss(batch)
+            if self._poison:
+                loss = loss * float("nan")
+            self.engine.backward(loss)
+            losses.append({"lm loss": loss.detach().clone()})
+            if i == len(micro) - 1:
+                own_norm = self._own_grad_norm()
+            # DeepSpeed counts micro-batches and steps the optimizer only at the boundary.
+            self.engine.step()
+        self._poison = False
+        grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
+        return StepStats(loss=reduce_last_stage_mean(losses), grad_norm=None if grad_norm is None else float(grad_norm))
+
+    @torch.no_grad()
+    def evaluate(self, tokens: Tensor) -> float:
+        self.engine.eval()
+        losses = [{"lm loss": self._loss(batch)} for batch in tokens.split(self.cfg.train.micro_batch_size)]
+        return reduce_last_stage_mean(losses)
+
+    def save(self, ckpt_dir: Path) -> None:
+        self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
+        if dist.get_rank() == 0:
+            write_json(ckpt_dir / LAYOUT_FILE, asdict(self.layout))
+        dist.barrier()
+
+    def load(self, ckpt_dir: Path) -> None:
+        saved = _read_layout(ckpt_dir)
+        if self.layout.loads_plainly(saved):
+            self._load_from(ckpt_dir, strict=True)
+            return
+        if saved.replicated_optimizer:
+            raise UsageError(
+                f"{ckpt_dir / TAG}: saved with ZeRO stage 0 at tp={saved.tp} (no ZeRO shards to convert): "
+                f"it resumes at ZeRO stage 0, tp={saved.tp}, bf16={saved.bf16} only"
+            )
+        universal = ckpt_dir / UNIVERSAL_DIR
+        error = _convert_to_universal(ckpt_dir / TAG, universal) if dist.get_rank() == 0 else None
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise UsageError(box[0])
+        # DeepSpeed reads load_universal from its config: re-create the engine with it.
+        self.engine.destroy()
+        self.engine = None
+        gc.collect()
+        self.engine = self._initialize(load_universal=True)
+        try:
+            # Not strict: the converted model states lack megatron's None `_extra_state` entries;
+            # every parameter comes from the universal fp32 files, which must all be there.
+            self._load_from(universal, strict=False)
+        finally:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(universal, ignore_errors=True)
+
+    def _load_from(self, root: Path, strict: bool) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(root), tag=TAG, load_module_strict=strict, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise UsageError(f"{root / TAG}: DeepSpeed could not load this checkpoint")
+        dist.barrier()
+
+
+def _read_layout(ckpt_dir: Path) -> _Layout:
+    path = ckpt_dir / LAYOUT_FILE
+    try:
+        return _Layout(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise UsageError(f"{path}: missing; {ckpt_dir} is not a deepspeed-engine checkpoint") from None
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"{path}: unreadable deepspeed layout ({e})") from None
+
+
+def _tensor_model_states(source: Path, dest: Path) -> None:
+    """`source` as seen by ds_to_universal, which calls .float() on every model-state entry:
+    megatron's linear layers report a None `_extra_state` (Transformer Engine compatibility), so the
+    model-state files are copied without those; the ZeRO shards are linked."""
+    dest.mkdir(parents=True)
+    for f in sorted(source.iterdir()):
+        if not f.name.endswith("_model_states.pt"):
+            (dest / f.name).symlink_to(f.resolve())
+            continue
+        state = torch.load(f, map_location="cpu", weights_only=False)  # DeepSpeed's own pickle
+        if state.get("module") is not None:
+            state["module"] = {k: v for k, v in state["module"].items() if v is not None}
+        torch.save(state, dest / f.name)
+
+
+def _convert_to_universal(source: Path, universal: Path) -> str | None:
+    """ds_to_universal into universal/<TAG>, in this process (one worker: the ranks already use the
+    cores) and quietly. Returns an error message instead of raising, for the other ranks' sake."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    shutil.rmtree(universal, ignore_errors=True)
+    chatter = io.StringIO()
+    try:
+        _tensor_model_states(source, universal / "source")
+        args = Namespace(
+            input_folder=str(universal / "source"),
+            output_folder=str(universal / TAG),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=False,
+        )
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            ds_to_universal.main(args)
+    except Exception as e:  # whatever the converter raises: report it on every rank
+        shutil.rmtree(universal, ignore_errors=True)
+        return f"{source}: universal-checkpoint conversion failed ({type(e).__name__}: {e}); converter output: {chatter.getvalue()[-1000:]!r}"
+    return None
