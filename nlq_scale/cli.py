@@ -15,7 +15,7 @@ from typing import Any
 
 from nlq_scale.errors import RunFailure, UsageError
 
-PARTS = ("model", "data", "train", "cluster", "analysis")
+PARTS = ("model", "data", "train", "cluster", "analysis", "quickstart")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -42,6 +42,9 @@ def emit_json(obj: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from nlq_scale.runtime.quiet import quiet_libraries
+
+    quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -222,6 +222,11 @@ class RunConfig(Strict):
             raise ValueError(f"num_layers ({m.num_layers}) not divisible by parallel.pp ({p.pp})")
         if p.ep > 1 and (m.moe.num_experts is None or m.moe.num_experts % p.ep):
             raise ValueError(f"parallel.ep ({p.ep}) must divide model.moe.num_experts ({m.moe.num_experts})")
+        if p.sequence_parallel and (p.tp == 1 or m.arm != "linear"):
+            raise ValueError(
+                "parallel.sequence_parallel needs tp > 1 and the linear arm (the query arms' norms over the "
+                "full hidden vector are not sequence-parallel yet)"
+            )
         if self.train.engine == "deepspeed" and p.pp > 1:
             raise ValueError("train.engine=deepspeed supports parallel.pp=1 only (use the megatron engine for PP)")
         if self.train.global_batch_size % self.train.micro_batch_size:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.runtime.dist import detect_env, distributed
+from nlq_scale.runtime.quiet import quiet_libraries
 from nlq_scale.train.rundir import Status, claim
 
 
@@ -16,14 +17,17 @@ def train_run(cfg: RunConfig, run_dir: Path) -> str:
     Expects the torch.distributed env (RANK, WORLD_SIZE, ...) or none for one process. A run dir
     holding a different config raises UsageError before anything is written.
     """
+    quiet_libraries()
     from nlq_scale.train.loop import Trainer
 
     run_dir = Path(run_dir)
     env = detect_env()
     claim(run_dir, cfg, create=env.rank == 0)  # every rank refuses a conflicting run dir up front
     with distributed(cfg.parallel, env) as layout:
+        trainer = None
         try:
-            return Trainer(cfg, run_dir, layout).run()
+            trainer = Trainer(cfg, run_dir, layout)
+            return trainer.run()
         except Exception as e:
             if env.rank == 0:
                 Status(run_dir, cfg.train.steps, layout.num_nodes).update(
@@ -31,3 +35,6 @@ def train_run(cfg: RunConfig, run_dir: Path) -> str:
                 )
                 traceback.print_exc()
             raise
+        finally:
+            if trainer is not None:
+                trainer.feed.close()  # streaming's shared memory and locks, on every exit path

@@ -5,7 +5,8 @@ tensor-parallel size through universal-checkpoint conversion.
 Inside a checkpoint dir this engine writes:
   deepspeed/           DeepSpeed's own files (tag "deepspeed": model states, ZeRO shards)
   deepspeed.json       the layout it was saved at (see `_Layout`), read back by `load`
-  universal.tmp/       only while loading at another layout: the ds_to_universal conversion
+  universal.tmp/       only while loading at another layout: source/ (the files as ds_to_universal
+                       can read them) and deepspeed/ (its universal checkpoint); removed after
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import io
 import json
 import re
 import shutil
+import sys
 from argparse import Namespace
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -171,14 +174,15 @@ class DeepSpeedEngine:
 
         model_parallel_cuda_manual_seed(self.cfg.seed)
         model = build_gpt(self.cfg.model, self.cfg.parallel)
-        # DeepSpeed saves this with the model states; ds_to_universal needs it (stage 1/2).
+        # DeepSpeed saves this with the model states, where ds_to_universal looks for it.
         model.universal_checkpoint_info = universal_checkpoint_info(model)
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=_param_groups(model, self.cfg.train.weight_decay),
-            config=ds_config(self.cfg, self.layout.dp, load_universal),
-            mpu=MegatronMpu(),
-        )
+        with _quiet():
+            engine, *_ = deepspeed.initialize(
+                model=model,
+                model_parameters=_param_groups(model, self.cfg.train.weight_decay),
+                config=ds_config(self.cfg, self.layout.dp, load_universal),
+                mpu=MegatronMpu(),
+            )
         return engine
 
     def set_lr(self, lr: float) -> None:
@@ -229,7 +233,7 @@ class DeepSpeedEngine:
             self.engine.step()
         self._poison = False
         grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
-        return StepStats(loss=reduce_last_stage_mean(losses), grad_norm=None if grad_norm is None else float(grad_norm))
+        return StepStats(loss=reduce_last_stage_mean(losses), grad_norm=_finite_or_nan(grad_norm))
 
     @torch.no_grad()
     def evaluate(self, tokens: Tensor) -> float:
@@ -274,12 +278,36 @@ class DeepSpeedEngine:
                 shutil.rmtree(universal, ignore_errors=True)
 
     def _load_from(self, root: Path, strict: bool) -> None:
+        # The run config owns the per-group hyperparameters. DeepSpeed's ZeRO-3 universal load
+        # copies group 0's onto every group (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_
+        # stage3), which would put weight decay on norms and biases: put them back.
+        groups = self.engine.optimizer.param_groups
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         path, _ = self.engine.load_checkpoint(
             str(root), tag=TAG, load_module_strict=strict, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if path is None:
             raise UsageError(f"{root / TAG}: DeepSpeed could not load this checkpoint")
+        for group, values in zip(self.engine.optimizer.param_groups, hyper, strict=True):
+            group.update(values)
+        self._unshare_adam_steps()
         dist.barrier()
+
+    def _unshare_adam_steps(self) -> None:
+        """The same ZeRO-3 universal load gives every parameter group ONE `step` tensor, which
+        torch's AdamW increments in place once per group: every group after the first would get
+        a wrong bias correction. Give each its own copy."""
+        base = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        for state in base.state.values():
+            if isinstance(state.get("step"), Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _finite_or_nan(grad_norm: float | Tensor | None) -> float | None:
+    """DeepSpeed reports a non-finite gradient norm as -1."""
+    if grad_norm is None:
+        return None
+    return float("nan") if float(grad_norm) < 0 else float(grad_norm)
 
 
 def _read_layout(ckpt_dir: Path) -> _Layout:
@@ -309,25 +337,37 @@ def _tensor_model_states(source: Path, dest: Path) -> None:
 
 def _convert_to_universal(source: Path, universal: Path) -> str | None:
     """ds_to_universal into universal/<TAG>, in this process (one worker: the ranks already use the
-    cores) and quietly. Returns an error message instead of raising, for the other ranks' sake."""
+    cores). Returns an error message instead of raising, for the other ranks' sake."""
     from deepspeed.checkpoint import ds_to_universal
 
     shutil.rmtree(universal, ignore_errors=True)
-    chatter = io.StringIO()
+    args = Namespace(
+        input_folder=str(universal / "source"),
+        output_folder=str(universal / TAG),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
     try:
         _tensor_model_states(source, universal / "source")
-        args = Namespace(
-            input_folder=str(universal / "source"),
-            output_folder=str(universal / TAG),
-            num_extract_workers=1,
-            num_merge_workers=1,
-            keep_temp_folder=False,
-            strict=True,
-            inject_missing_state=False,
-        )
-        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+        with _quiet():
             ds_to_universal.main(args)
     except Exception as e:  # whatever the converter raises: report it on every rank
         shutil.rmtree(universal, ignore_errors=True)
-        return f"{source}: universal-checkpoint conversion failed ({type(e).__name__}: {e}); converter output: {chatter.getvalue()[-1000:]!r}"
+        return f"{source}: universal-checkpoint conversion failed ({type(e).__name__}: {e})"
     return None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DeepSpeed prints memory reports (BF16_Optimizer) and converter progress bars: show them only
+    when something fails."""
+    chatter = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            yield
+    except BaseException:
+        sys.stderr.write(chatter.getvalue()[-4000:])
+        raise

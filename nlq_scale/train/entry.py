@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
+    from nlq_scale.runtime.quiet import quiet_libraries
+
+    quiet_libraries()
     from nlq_scale.config.load import load_run_config
     from nlq_scale.train.api import train_run
 

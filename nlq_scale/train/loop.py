@@ -120,7 +120,6 @@ class Trainer:
         if self.rank == 0:
             self.status.update(state=state, step=self.step, tokens=self.tokens, error=error)
         self.metrics.close(state)
-        self.feed.close()
         _say(self.rank, f"{state} at step {self.step}" + (f": {error}" if error else ""))
         return state
 

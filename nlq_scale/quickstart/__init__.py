@@ -1,0 +1,1 @@
+"""`nlq-scale quickstart`: the whole path on the bundled sample corpus."""
