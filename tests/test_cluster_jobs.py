@@ -133,9 +133,10 @@ def prepare_text_dataset(tmp: Path, seq_len: int = 64) -> Path:
 
 
 def wait_states(run_dirs: list[Path], done: set[str], timeout: float) -> dict[Path, str]:
+    """Poll `status`'s view of each run (which also sees jobs that died before training) until done."""
     deadline = time.time() + timeout
     while True:
-        states = {d: executors.read_json(d / "status.json").get("state") for d in run_dirs}
+        states = {d: collect(d)[0]["state"] for d in run_dirs}
         if all(s in done for s in states.values()) or time.time() > deadline:
             return states
         time.sleep(0.5)

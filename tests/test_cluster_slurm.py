@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 REPO = Path(__file__).resolve().parents[1]
 START = REPO / "slurm" / "local-cluster" / "start.sh"
 STOP = REPO / "slurm" / "local-cluster" / "stop.sh"
-TERMINAL = {"completed", "failed", "diverged"}
+TERMINAL = {"completed", "failed", "diverged", "dead"}
 
 
 @pytest.fixture(scope="session")
