@@ -25,9 +25,25 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class SubcommandParser(OneLineParser):
+    """`train --scale S key=value --run-dir D key=value`: positionals (the overrides) on both sides of
+    options. argparse matches a positional list only where it starts, so sub-commands parse
+    intermixed (the top-level parser calls parse_known_args on them, and
+    parse_known_intermixed_args calls it back: hence the guard)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        if getattr(self, "_inside", False):
+            return super().parse_known_args(args, namespace)
+        self._inside = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="nlq-scale", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
     for part in PARTS:
         name = f"nlq_scale.{part}.cli"
         if importlib.util.find_spec(name) is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -212,7 +213,8 @@ def test_real_two_arm_sweep_then_resubmit_submits_nothing(slurm_cluster, prepare
     assert set(wait_done(dirs, timeout=900).values()) == {"completed"}
     for d in dirs:
         manifest = json.loads((d / "manifest.json").read_text())
-        assert manifest["layout"]["nodes"] == 2 and manifest["layout"]["world_size"] == 2
+        assert manifest["layout"]["world_size"] == 2 and manifest["layout"]["dp"] == 2
+        assert executors.read_json(d / "status.json")["num_nodes"] == 2
         assert any("val/loss" in e for e in events(d))
     out = nlq("status", str(root), "--json")
     assert [r["state"] for r in json.loads(out.stdout)["runs"]] == ["completed", "completed"]
@@ -250,3 +252,24 @@ def test_real_failing_run_shows_failed(slurm_cluster, prepared_data, tmp_path, o
     assert wait_done([run_dir], timeout=600)[run_dir] == "failed"
     (row,) = json.loads(nlq("status", str(root), "--json").stdout)["runs"]
     assert row["state"] == "failed" and row["error"], row
+
+
+def test_sbatch_template_trains_and_requeues_itself_after_preemption(slurm_cluster, prepared_data, tmp_path):
+    """slurm/train.sbatch (no submitit): srun runs `nlq-scale train` in both tasks; preempted, the job
+    requeues itself (run-train.sh) and resumes to completion."""
+    run_dir = tmp_path / "run"
+    env = os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    out = subprocess.run(
+        ["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", f"--output={tmp_path}/sbatch-%j.out",
+         str(REPO / "slurm" / "train.sbatch"), str(run_dir), "--scale", "cpu-xs", "--arm", "linear",
+         f"data.path={prepared_data}", "train.steps=40", "logging.wandb=false"],
+        capture_output=True, text=True, cwd=REPO, env=env, check=True,
+    )
+    job = out.stdout.strip()
+    wait_step(run_dir, 10, timeout=600)
+    preempt_with_urgent_job()
+    assert wait_done([run_dir], timeout=900)[run_dir] == "completed"
+    kinds = [e["event"] for e in events(run_dir) if e.get("event")]
+    assert "preempt" in kinds and "resume" in kinds, kinds
+    assert executors.read_json(run_dir / "status.json")["slurm_job_id"] == job
+    assert "ended as preempted" in Path(tmp_path / f"sbatch-{job}.out").read_text()

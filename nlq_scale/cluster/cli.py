@@ -37,27 +37,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def _sweep_and_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("items", nargs="+", metavar="SWEEP",
                    help="sweep file (or a name in configs/sweeps), then config overrides for every run")
-    p.__class__ = _intermixed(type(p))
-
-
-def _intermixed(base: type) -> type:
-    """`SWEEP --root X key=value`: positionals on both sides of options. argparse matches a positional
-    list only where it starts, so this sub-command parses intermixed (the top-level parser calls
-    parse_known_args on it; parse_known_intermixed_args calls it back, hence the guard)."""
-
-    class Intermixed(base):
-        _inside = False
-
-        def parse_known_args(self, args=None, namespace=None):
-            if self._inside:
-                return super().parse_known_args(args, namespace)
-            self._inside = True
-            try:
-                return self.parse_known_intermixed_args(args, namespace)
-            finally:
-                self._inside = False
-
-    return Intermixed
 
 
 def _load(args: argparse.Namespace):

@@ -248,7 +248,9 @@ def _grid_point(
         stream["path"] = _absolute(stream["path"])
     if lr is not None:
         raw = deep_merge(raw, {"train": {"lr": lr}})
-    probe = _build(raw, f"{scale}/{arm}")
+    # The probe only prices the model and the batch: its steps are a placeholder past any warmup,
+    # since the real steps are what the horizon is about to set.
+    probe = _build(deep_merge(raw, {"train": {"steps": 2**40}}) if horizon is not None else raw, f"{scale}/{arm}")
     run_id = run_id_for(scale, arm, seed, probe.train.lr)
     raw["name"] = run_id
     if horizon is not None:
