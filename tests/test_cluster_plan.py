@@ -36,19 +36,30 @@ def test_124m_fits_one_80gb_gpu_with_data_parallelism_alone(tmp_path):
     assert node.layout.micro_batch_size * node.layout.dp * node.layout.grad_accum == 480
 
 
-MEGATRON_175B = ("model.bf16=true", "parallel.sequence_parallel=true")
+MEGATRON_175B = ("model.bf16=true",)
 
 
 @pytest.mark.parametrize("recompute", ["selective", "none"])
 def test_175b_on_80gb_gpus_needs_tp8_and_pp_at_least_8(recompute):
     """Megatron's GPT-3 175B setting (bf16, sequence parallelism; Korthikanti et al. use selective)."""
     overrides = (*MEGATRON_175B, f"parallel.recompute={recompute}")
-    p = plan("175b", load_cluster("example-8x80gb"), *overrides)
-    assert p.fits and p.layout.tp == 8 and p.layout.pp >= 8, p.as_dict()
+    p = plan("175b", load_cluster("example-8x80gb"), *overrides, sequence_parallel=True)
+    assert p.fits and p.layout.sequence_parallel and p.layout.tp == 8 and p.layout.pp >= 8, p.as_dict()
     # and the next smaller pipeline would not fit: the planner does not over-split
     smaller = max(d for d in range(1, p.layout.pp) if 96 % d == 0)
-    tight = plan("175b", load_cluster("example-8x80gb"), *overrides, fixed_tp=8, fixed_pp=smaller)
+    tight = plan("175b", load_cluster("example-8x80gb"), *overrides, fixed_tp=8, fixed_pp=smaller,
+                 sequence_parallel=True)
     assert not tight.fits
+
+
+def test_sequence_parallelism_only_where_the_config_allows_it():
+    cluster = load_cluster("example-8x80gb")
+    lin = plan("13b", cluster, sequence_parallel=True)
+    assert lin.layout.tp > 1 and lin.layout.sequence_parallel
+    cfg = load_run_config("13b", "nonlinear")  # the schema refuses SP for the query arms (for now)
+    nl = plan_run(cfg, cluster, run_id="x", scale="13b", arm="nonlinear", sequence_parallel=True)
+    assert nl.layout.tp > 1 and not nl.layout.sequence_parallel
+    assert not plan("124m", cluster, sequence_parallel=True).layout.sequence_parallel  # tp = 1
 
 
 def test_175b_in_fp32_without_recompute_cannot_fit_any_pipeline():

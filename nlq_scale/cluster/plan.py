@@ -235,6 +235,17 @@ def _candidates(cfg: RunConfig, cluster: ClusterConfig, fixed_tp: int | None, fi
                 yield tp, pp
 
 
+def _accepts(cfg: RunConfig, **parallel) -> bool:
+    """Does the run's config validate with these parallel settings?"""
+    raw = cfg.model_dump(mode="json")
+    raw["parallel"].update(parallel)
+    try:
+        RunConfig.model_validate(raw)
+    except ValidationError:
+        return False
+    return True
+
+
 def _nodes_for(cluster: ClusterConfig, tp: int, pp: int, requested: int | None) -> int:
     if requested is not None:
         return requested
@@ -291,8 +302,10 @@ def plan_run(
     fixed_tp: int | None = None,
     fixed_pp: int | None = None,
     fixed_micro_batch: bool = False,
+    sequence_parallel: bool = False,
 ) -> RunPlan:
-    """The first layout (smallest model parallelism, then largest micro-batch) whose memory fits."""
+    """The first layout (smallest model parallelism, then largest micro-batch) whose memory fits.
+    sequence_parallel: use it wherever tp > 1 and the config accepts it (the schema knows which arms can)."""
     if nodes is not None and nodes > cluster.nodes:
         return _unfit(cfg, cluster, run_id, scale, arm, f"asks for {nodes} nodes, cluster {cluster.name} has {cluster.nodes}")
     fallback: tuple[Layout, Memory] | None = None
@@ -304,12 +317,13 @@ def plan_run(
         if world % (tp * pp):
             continue
         dp = world // (tp * pp)
+        sp = sequence_parallel and tp > 1 and _accepts(cfg, tp=tp, pp=pp, sequence_parallel=True)
         mbs = cfg.train.micro_batch_size
         while mbs >= 1:
             if cfg.train.global_batch_size % (mbs * dp) == 0:
                 layout = Layout(
                     n, cluster.gpus_per_node, tp, pp, dp, mbs, cfg.train.global_batch_size // (mbs * dp),
-                    cfg.parallel.recompute, cfg.parallel.sequence_parallel and tp > 1,
+                    cfg.parallel.recompute, sp,
                 )
                 mem = memory_per_device(cfg, layout)
                 if mem.total <= cluster.usable_bytes:
@@ -371,7 +385,7 @@ def plan_sweep(sweep: SweepConfig, cluster: ClusterConfig, cli_overrides: Iterab
         plan = plan_run(
             spec.cfg, cluster, run_id=spec.run_id, scale=spec.scale, arm=spec.arm,
             nodes=prefs.nodes_for(spec.scale), fixed_tp=prefs.tp, fixed_pp=prefs.pp,
-            fixed_micro_batch=prefs.micro_batch_size is not None,
+            fixed_micro_batch=prefs.micro_batch_size is not None, sequence_parallel=prefs.sequence_parallel,
         )
         if not plan.fits:
             raise UsageError(f"run {spec.run_id} cannot fit cluster {cluster.name}: {plan.reason}")

@@ -112,7 +112,7 @@ class ParallelPrefs(Strict):
         None, description="nodes per run, or per scale {scale: nodes}; None = fewest whole nodes for tp x pp"
     )
     recompute: Literal["none", "selective", "full"] | None = Field(None, description="activation recompute")
-    sequence_parallel: bool | None = None
+    sequence_parallel: bool = Field(False, description="use it in layouts with tp > 1 where the config allows it")
     distributed_optimizer: bool | None = Field(None, description="megatron engine: shard optimizer state over DP")
     zero_stage: int | None = Field(None, ge=0, le=3, description="deepspeed engine: ZeRO stage")
     micro_batch_size: PositiveInt | None = Field(None, description="None = the scale's, halved until it fits")
@@ -204,7 +204,7 @@ def shared_settings(sweep: SweepConfig) -> dict[str, Any]:
     """The sweep-level keys that every run's config gets."""
     p = sweep.parallel
     out: dict[str, Any] = {"data": sweep.data.model_dump(exclude_none=True, mode="json"), "parallel": {}, "train": {}}
-    for key in ("tp", "pp", "recompute", "sequence_parallel"):
+    for key in ("tp", "pp", "recompute"):  # sequence parallelism: the planner decides per layout
         if getattr(p, key) is not None:
             out["parallel"][key] = getattr(p, key)
     for key in ("distributed_optimizer", "zero_stage", "micro_batch_size"):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.attention import Attention, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal
 from torch import Tensor
 
-from nlq_scale.model.query import ACTIVATIONS
+from nlq_scale.model.query import ParallelMLP
 
 
 @dataclass
@@ -110,17 +110,9 @@ class PreprojAttention(SelfAttention):
 
     def __init__(self, config: TransformerConfig, submodules: PreprojSubmodules, layer_number: int, **kwargs) -> None:
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
-        d, r, tp_group = config.hidden_size, submodules.rank, self.pg_collection.tp
-        self.activation = ACTIVATIONS[submodules.activation]
+        d, tp_group = config.hidden_size, self.pg_collection.tp
         self.pre_norm = torch.nn.RMSNorm(d, eps=config.layernorm_epsilon, dtype=config.params_dtype)
-        self.w_up = ColumnParallelLinear(
-            d, r, config=config, init_method=config.init_method, bias=config.add_bias_linear,
-            gather_output=False, skip_bias_add=False, is_expert=False, tp_group=tp_group,
-        )
-        self.w_down = RowParallelLinear(
-            r, d, config=config, init_method=config.init_method, bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_group=tp_group,
-        )
+        self.pre = ParallelMLP(config, submodules.rank, submodules.activation, tp_group)
         self.w_skip = RowParallelLinear(
             d, d, config=config, init_method=init_method_normal(submodules.skip_init_std),
             bias=config.add_bias_linear, input_is_parallel=False, skip_bias_add=False, is_expert=False,
@@ -128,9 +120,7 @@ class PreprojAttention(SelfAttention):
         )
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        up, _ = self.w_up(self.pre_norm(hidden_states))
-        down, _ = self.w_down(self.activation(up))
-        content = hidden_states + down
+        content = hidden_states + self.pre(self.pre_norm(hidden_states))
         output, bias = super().forward(content, *args, **kwargs)
         skip, _ = self.w_skip(content)
         return output + skip, bias

@@ -34,9 +34,32 @@ class IdentityQuery(MegatronModule):
         return scatter_to_tensor_model_parallel_region(x)
 
 
+class ParallelMLP(MegatronModule):
+    """down(act(up(x))) with up: d -> r column-parallel and down: r -> d row-parallel (all-reduced,
+    so the output is the full vector on every rank): the nonlinear query's f before its LayerNorm,
+    and preproj's pre-projection."""
+
+    def __init__(self, config: TransformerConfig, rank: int, activation: str, tp_group=None) -> None:
+        super().__init__(config=config)
+        d, bias = config.hidden_size, config.add_bias_linear
+        self.activation = ACTIVATIONS[activation]
+        self.up = ColumnParallelLinear(
+            d, rank, config=config, init_method=config.init_method, bias=bias,
+            gather_output=False, skip_bias_add=False, is_expert=False, tp_group=tp_group,
+        )
+        self.down = RowParallelLinear(
+            rank, d, config=config, init_method=config.init_method, bias=bias,
+            input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_group=tp_group,
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, _ = self.up(x)
+        out, _ = self.down(self.activation(h))
+        return out
+
+
 class NonlinearQuery(MegatronModule):
-    """Q(x) = mix * x + (1 - mix) * LN(W2 act(W1 RMSNorm(x))), W1: d -> r (column-parallel),
-    W2: r -> d (row-parallel, all-reduced so the LayerNorm sees the full vector)."""
+    """Q(x) = mix * x + (1 - mix) * LN(W2 act(W1 RMSNorm(x))), W1 = f.up, W2 = f.down."""
 
     def __init__(
         self, config: TransformerConfig, rank: int, activation: str, mix: float, tp_group=None, **_unused
@@ -44,20 +67,10 @@ class NonlinearQuery(MegatronModule):
         super().__init__(config=config)
         d, eps = config.hidden_size, config.layernorm_epsilon
         self.mix = mix
-        self.activation = ACTIVATIONS[activation]
         self.norm_in = torch.nn.RMSNorm(d, eps=eps, dtype=config.params_dtype)
-        self.w1 = ColumnParallelLinear(
-            d, rank, config=config, init_method=config.init_method, bias=config.add_bias_linear,
-            gather_output=False, skip_bias_add=False, is_expert=False, tp_group=tp_group,
-        )
-        self.w2 = RowParallelLinear(
-            rank, d, config=config, init_method=config.init_method, bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_group=tp_group,
-        )
+        self.f = ParallelMLP(config, rank, activation, tp_group)
         self.norm_out = torch.nn.LayerNorm(d, eps=eps, dtype=config.params_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        h, _ = self.w1(self.norm_in(x))
-        f, _ = self.w2(self.activation(h))
-        q = self.mix * x + (1.0 - self.mix) * self.norm_out(f)
+        q = self.mix * x + (1.0 - self.mix) * self.norm_out(self.f(self.norm_in(x)))
         return scatter_to_tensor_model_parallel_region(q)

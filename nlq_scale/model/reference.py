@@ -198,13 +198,13 @@ def _layer_state(ref: ReferenceGPT, i: int) -> dict[str, Tensor]:
             out[f"self_attention.linear_kv.{pname}"] = _kv(getattr(a.k, pname).detach(), getattr(a.v, pname).detach(), g)
     if m.arm == "nonlinear":
         put("self_attention.query.norm_in", a.q.norm_in)
-        put("self_attention.query.w1", a.q.f.up)
-        put("self_attention.query.w2", a.q.f.down)
+        put("self_attention.query.f.up", a.q.f.up)
+        put("self_attention.query.f.down", a.q.f.down)
         put("self_attention.query.norm_out", a.q.norm_out)
     if m.arm == "preproj":
         put("self_attention.pre_norm", a.pre_norm)
-        put("self_attention.w_up", a.pre.up)
-        put("self_attention.w_down", a.pre.down)
+        put("self_attention.pre.up", a.pre.up)
+        put("self_attention.pre.down", a.pre.down)
         put("self_attention.w_skip", a.skip)
     return out
 

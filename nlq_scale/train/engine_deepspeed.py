@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from torch import Tensor
 
 from nlq_scale.config.schema import RunConfig
@@ -220,6 +221,10 @@ class DeepSpeedEngine:
     def train_step(self, tokens: Tensor) -> StepStats:
         self.engine.train()
         micro = self._micro_batches(tokens)
+        if self.cfg.model.moe.num_experts is not None:
+            # The router's aux loss enters in backward (MoEAuxLossAutoScaler), past DeepSpeed's 1/gas
+            # loss scaling: scale it per micro-batch as megatron's schedule does.
+            MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / len(micro)))  # megatron: shape [1]
         losses, own_norm = [], None
         for i, batch in enumerate(micro):
             loss = self._loss(batch)
