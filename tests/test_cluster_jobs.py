@@ -136,7 +136,7 @@ def wait_states(run_dirs: list[Path], done: set[str], timeout: float) -> dict[Pa
     """Poll `status`'s view of each run (which also sees jobs that died before training) until done."""
     deadline = time.time() + timeout
     while True:
-        states = {d: collect(d)[0]["state"] for d in run_dirs}
+        states = {d: next((row["state"] for row in collect(d)), None) for d in run_dirs}  # None: no run dir yet
         if all(s in done for s in states.values()) or time.time() > deadline:
             return states
         time.sleep(0.5)

@@ -224,11 +224,11 @@ def test_real_two_arm_sweep_then_resubmit_submits_nothing(slurm_cluster, prepare
 
 
 def test_real_preemption_resumes_to_the_uninterrupted_loss(slurm_cluster, prepared_data, tmp_path, one_arm_sweep):
-    overrides = (f"data.path={prepared_data}", "train.steps=40", "checkpoint.every=0")
+    overrides = (f"data.path={prepared_data}", "train.steps=30", "checkpoint.every=0")
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     (run,) = submit_real(interrupted, *overrides, sweep=one_arm_sweep)["runs"]
     run_dir = Path(run["run_dir"])
-    wait_step(run_dir, 10, timeout=600)
+    wait_step(run_dir, 8, timeout=600)
     preempt_with_urgent_job()
     (ref,) = submit_real(reference, *overrides, sweep=one_arm_sweep)["runs"]
     ref_dir = Path(ref["run_dir"])
@@ -262,11 +262,11 @@ def test_sbatch_template_trains_and_requeues_itself_after_preemption(slurm_clust
     out = subprocess.run(
         ["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", f"--output={tmp_path}/sbatch-%j.out",
          str(REPO / "slurm" / "train.sbatch"), str(run_dir), "--scale", "cpu-xs", "--arm", "linear",
-         f"data.path={prepared_data}", "train.steps=40", "logging.wandb=false"],
+         f"data.path={prepared_data}", "train.steps=30", "logging.wandb=false"],
         capture_output=True, text=True, cwd=REPO, env=env, check=True,
     )
     job = out.stdout.strip()
-    wait_step(run_dir, 10, timeout=600)
+    wait_step(run_dir, 8, timeout=600)
     preempt_with_urgent_job()
     assert wait_done([run_dir], timeout=900)[run_dir] == "completed"
     kinds = [e["event"] for e in events(run_dir) if e.get("event")]

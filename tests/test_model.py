@@ -99,3 +99,19 @@ def test_parallel_layouts_give_the_reference_loss(tmp_path):
     for layout, per_arm in losses.items():
         for arm in arms:
             assert abs(per_arm[arm] - base[arm]) <= 1e-5 * base[arm], (layout, arm, per_arm[arm], base[arm])
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_activation_recompute_keeps_loss_and_gradients(single_rank, recompute):
+    results = []
+    for setting in ("none", recompute):
+        cfg, model = build("nonlinear", [f"parallel.recompute={setting}"])
+        torch.manual_seed(3)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length))
+        positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(2, -1)
+        loss = model(tokens, positions, None, labels=tokens).mean()
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == loss_b
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads_a, grads_b))

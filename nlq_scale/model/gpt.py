@@ -81,7 +81,18 @@ def transformer_config(m: ModelConfig, p: ParallelConfig) -> TransformerConfig:
         masked_softmax_fusion=on_gpu,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        **_recompute(p),
     )
+
+
+def _recompute(p: ParallelConfig) -> dict:
+    """parallel.recompute -> megatron's activation recomputation (what the planner's memory
+    estimate assumes)."""
+    if p.recompute == "none":
+        return {}
+    if p.recompute == "selective":
+        return {"recompute_granularity": "selective"}  # core attention only
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 def _stock_spec(m: ModelConfig) -> ModuleSpec:

@@ -4,7 +4,7 @@ tensor-parallel size through universal-checkpoint conversion.
 
 Inside a checkpoint dir this engine writes:
   deepspeed/           DeepSpeed's own files (tag "deepspeed": model states, ZeRO shards)
-  deepspeed.json       the layout it was saved at (see `_Layout`), read back by `load`
+  deepspeed.json       the tag and the layout it was saved at (`_Layout`), read back by `load`
   universal.tmp/       only while loading at another layout: source/ (the files as ds_to_universal
                        can read them) and deepspeed/ (its universal checkpoint); removed after
 """
@@ -148,9 +148,11 @@ def universal_checkpoint_info(model: torch.nn.Module) -> dict:
 def _check_supported(cfg: RunConfig) -> None:
     p = cfg.parallel
     if p.ep > 1:
-        raise UsageError("train.engine=deepspeed: parallel.ep must be 1 (DeepSpeed does not reduce megatron expert grads)")
+        raise UsageError("parallel.ep: must be 1 with train.engine=deepspeed (it cannot reduce megatron expert grads)")
     if p.sequence_parallel:
-        raise UsageError("train.engine=deepspeed: parallel.sequence_parallel is unsupported (norm grads need megatron's TP reduction)")
+        raise UsageError(
+            "parallel.sequence_parallel: unsupported with train.engine=deepspeed (norm grads need megatron's TP reduction)"
+        )
 
 
 class DeepSpeedEngine:
@@ -249,7 +251,7 @@ class DeepSpeedEngine:
     def save(self, ckpt_dir: Path) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
         if dist.get_rank() == 0:
-            write_json(ckpt_dir / LAYOUT_FILE, asdict(self.layout))
+            write_json(ckpt_dir / LAYOUT_FILE, {"tag": TAG} | asdict(self.layout))
         dist.barrier()
 
     def load(self, ckpt_dir: Path) -> None:
@@ -318,11 +320,14 @@ def _finite_or_nan(grad_norm: float | Tensor | None) -> float | None:
 def _read_layout(ckpt_dir: Path) -> _Layout:
     path = ckpt_dir / LAYOUT_FILE
     try:
-        return _Layout(**json.loads(path.read_text()))
+        saved = json.loads(path.read_text())
+        if saved.pop("tag") != TAG:
+            raise ValueError(f"tag is not {TAG!r}")
+        return _Layout(**saved)
     except FileNotFoundError:
         raise UsageError(f"{path}: missing; {ckpt_dir} is not a deepspeed-engine checkpoint") from None
-    except (OSError, ValueError, TypeError) as e:
-        raise UsageError(f"{path}: unreadable deepspeed layout ({e})") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise UsageError(f"{path}: unreadable deepspeed layout ({type(e).__name__}: {e})") from None
 
 
 def _tensor_model_states(source: Path, dest: Path) -> None:

@@ -13,6 +13,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
 from torch import Tensor
 
 from nlq_scale.config.schema import RunConfig
@@ -37,6 +38,8 @@ class MegatronEngine:
             post_process=ps.is_pipeline_last_stage(),
         )
         self.tconfig = model.config
+        if cfg.model.bf16:
+            model = Float16Module(self.tconfig, model)  # casts inputs/outputs around the bf16 model
         self.model = DistributedDataParallel(
             config=self.tconfig,
             ddp_config=DistributedDataParallelConfig(
@@ -69,8 +72,11 @@ class MegatronEngine:
         self._poison = False
 
     def set_lr(self, lr: float) -> None:
+        """Also the weight decay: megatron marks 1-D params (norms, biases) with wd_mult = 0 and
+        expects its own scheduler to apply the multipliers; without it they would be decayed."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.cfg.train.weight_decay * group.get("wd_mult", 1.0)
 
     def poison_next_loss(self) -> None:
         """Test hook (train.nan_at_step): the next training loss becomes NaN."""

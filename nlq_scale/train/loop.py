@@ -75,8 +75,16 @@ class Trainer:
         if self.rank == 0:
             from nlq_scale.data.loader import dataset_manifest_sha256
 
-            shape = {k: v for k, v in layout.as_dict().items() if not k.endswith("rank")}
-            layout_info = shape | {"engine": cfg.train.engine, "zero_stage": self._zero_stage()}
+            layout_info = {
+                "world_size": layout.world_size,
+                "nodes": layout.num_nodes,
+                "tp": layout.tp,
+                "pp": layout.pp,
+                "dp": layout.dp,
+                "ep": layout.ep,
+                "engine": cfg.train.engine,
+                "zero_stage": self._zero_stage(),
+            }
             write_json(run_dir / "manifest.json", manifest(cfg, layout_info, dataset_manifest_sha256(cfg.data), accounting(cfg)))
         event = {"event": "resume", "checkpoint": str(resumed_from)} if resumed_from else {"event": "start"}
         self.metrics.write({"step": self.step, "tokens": self.tokens} | event)
@@ -112,10 +120,12 @@ class Trainer:
             self.status.update(last_checkpoint=str(path), step=self.step, tokens=self.tokens)
         self.metrics.write({"step": self.step, "tokens": self.tokens, "event": "checkpoint", "checkpoint": path.name})
 
-    def _finish(self, state: str, event: str, error: str | None = None) -> str:
+    def _finish(self, state: str, event: str, error: str | None = None, signal: str | None = None) -> str:
         record = {"step": self.step, "tokens": self.tokens, "event": event}
         if error:
             record["error"] = error
+        if signal:
+            record["signal"] = signal  # None on ranks the signal did not reach
         self.metrics.write(record)
         if self.rank == 0:
             self.status.update(state=state, step=self.step, tokens=self.tokens, error=error)
@@ -170,7 +180,7 @@ class Trainer:
                     return self._finish("diverged", "diverged", problem)
                 if _any_rank(stop.signum is not None):
                     self._save()
-                    return self._finish("preempted", "preempt")
+                    return self._finish("preempted", "preempt", signal=stop.signal_name)
                 every = self.cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < t.steps:
                     self._save()

@@ -15,6 +15,10 @@ class StopFlag:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
 
+    @property
+    def signal_name(self) -> str | None:
+        return signal.Signals(self.signum).name if self.signum is not None else None
+
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         self.signum = signum
 
