@@ -261,7 +261,7 @@ def test_run_dir_with_another_config_is_refused_before_anything_happens(tmp_path
     run_dir = runs[0].spec.run_dir(root)
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(runs[0].cfg.model_dump(mode="json") | {"seed": 1}))
-    with pytest.raises(UsageError, match=f"run {runs[0].spec.run_id} exists with a different config"):
+    with pytest.raises(UsageError, match=f"{runs[0].spec.run_id}: holds a run with a different config"):
         executors.decide(runs, root, retry_failed=False)
 
 

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal
 
-import yaml
 
 from nlq_scale.cluster.plan import ClusterConfig, Layout, PlannedRun
-from nlq_scale.config.load import dump_run_config
 from nlq_scale.errors import RunFailure, UsageError
+from nlq_scale.train.rundir import claim, write_json
 
 ExecutorKind = Literal["slurm", "local"]
 JOB_FILE = "job.json"
@@ -44,12 +43,6 @@ def read_json(path: Path) -> dict:
         return {}
     except (OSError, json.JSONDecodeError):
         return {}  # a file being replaced right now reads as absent; the next look sees it
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def slurm_queue_states(job_ids: Iterable[str]) -> dict[str, str] | None:
@@ -101,23 +94,10 @@ class Decision:
     reason: str
 
 
-def check_config_unchanged(run: PlannedRun, run_dir: Path) -> None:
-    """A run dir holding a different config belongs to another experiment: refuse before submitting."""
-    path = run_dir / "config.yaml"
-    if not path.exists():
-        return
-    existing = yaml.safe_load(path.read_text())
-    if existing != yaml.safe_load(dump_run_config(run.cfg)):
-        raise UsageError(
-            f"{path}: run {run.spec.run_id} exists with a different config (sweep, cluster or overrides changed); "
-            "use another --root or remove the run dir"
-        )
-
-
 def decide(runs: list[PlannedRun], root: Path, retry_failed: bool) -> list[Decision]:
     dirs = [r.spec.run_dir(root) for r in runs]
     for run, run_dir in zip(runs, dirs):
-        check_config_unchanged(run, run_dir)
+        claim(run_dir, run.cfg, create=False)  # a different config there: refuse before submitting
     alive = job_liveness(d for d in dirs if (d / JOB_FILE).exists())
     return [_decide_one(run, d, alive.get(d, False), retry_failed) for run, d in zip(runs, dirs)]
 
@@ -192,17 +172,12 @@ def _record_job(run_dir: Path, kind: ExecutorKind, job) -> dict:
         "submitted_at": time.time(),
         "log": str(job.paths.stderr),
     }
-    write_json_atomic(run_dir / JOB_FILE, record)
+    write_json(run_dir / JOB_FILE, record)
     return record
 
 
 def _prepare_run_dir(decision: Decision) -> None:
-    decision.run_dir.mkdir(parents=True, exist_ok=True)
-    config = decision.run_dir / "config.yaml"
-    if not config.exists():  # the same text train_run writes, so its own check accepts it
-        tmp = config.with_name(f".config.yaml.tmp.{os.getpid()}")
-        tmp.write_text(dump_run_config(decision.run.cfg))
-        os.replace(tmp, config)
+    claim(decision.run_dir, decision.run.cfg)  # the config train_run will find (and accept) there
 
 
 def _groups(decisions: list[Decision]) -> dict[tuple, list[Decision]]:

@@ -51,7 +51,7 @@ def claim(run_dir: Path, cfg: RunConfig, create: bool = True) -> bool:
             changed = sorted(_diff_keys(existing, yaml.safe_load(text)))
             raise UsageError(
                 f"{run_dir}: holds a run with a different config (differs in {', '.join(changed[:5])}); "
-                "use another --run-dir"
+                "use another run directory (--run-dir, --root) or remove this one"
             )
         return True
     if create:
