@@ -109,12 +109,14 @@ def init_distributed(env: DistEnv, parallel: ParallelConfig, timeout_min: int = 
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
+        # One process needs no rendezvous: an in-memory store avoids racing other jobs for a port.
+        rendezvous = (
+            {"store": dist.HashStore()}
+            if env.world_size == 1
+            else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+        )
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(minutes=timeout_min),
+            backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=timeout_min), **rendezvous
         )
     if env.world_size % (parallel.tp * parallel.pp):
         raise ValueError(f"world size {env.world_size} not divisible by tp*pp = {parallel.tp * parallel.pp}")

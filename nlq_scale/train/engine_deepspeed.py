@@ -226,7 +226,10 @@ class DeepSpeedEngine:
         if self.cfg.model.moe.num_experts is not None:
             # The router's aux loss enters in backward (MoEAuxLossAutoScaler), past DeepSpeed's 1/gas
             # loss scaling: scale it per micro-batch as megatron's schedule does.
-            MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / len(micro)))  # megatron: shape [1]
+            # The scale is class state shared with megatron's schedule in this process: keep its shape.
+            current = MoEAuxLossAutoScaler.main_loss_backward_scale
+            shape = current.shape if current is not None else (1,)
+            MoEAuxLossAutoScaler.set_loss_scale(torch.full(shape, 1.0 / len(micro)))
         losses, own_norm = [], None
         for i, batch in enumerate(micro):
             loss = self._loss(batch)
