@@ -60,6 +60,7 @@ def main() -> None:
             save_s, load_s = [], []
             for i in range(a.repeats):
                 target = work / f"ckpt{i}"
+                target.mkdir()
                 start = time.perf_counter()
                 engine.save(target)
                 save_s.append(time.perf_counter() - start)

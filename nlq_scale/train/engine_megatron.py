@@ -130,6 +130,7 @@ class MegatronEngine:
         }
 
     def save(self, ckpt_dir: Path) -> None:
+        self._materialize_adam_state()  # a save before the first step would trip the same assert
         dist_checkpointing.save(self._sharded_state(is_loading=False), str(ckpt_dir))
 
     def _fallback_distributed_optimizers(self) -> list:
