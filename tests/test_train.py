@@ -173,3 +173,16 @@ def test_bad_train_input_exits_2_and_writes_nothing(sample_dataset, tmp_path, ex
     r = nlq(*train_args(run_dir, sample_dataset), *extra)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_moe_with_expert_parallelism_trains_across_two_ranks(sample_dataset, tmp_path):
+    run_dir = tmp_path / "moe-ep2"
+    moe = ["train.steps=12", "model.moe.num_experts=4", "parallel.ep=2"]
+    run_to_end(train_args(run_dir, sample_dataset, "nonlinear", *moe), 2)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["step"] == 12
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["layout"]["ep"], manifest["layout"]["dp"]) == (2, 2)
+    losses = last_by_step(read_metrics(run_dir), "train/loss")
+    assert losses[12] < losses[1]
