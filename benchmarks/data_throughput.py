@@ -70,8 +70,7 @@ def loader_rate(dataset: Path, tmp: Path, workers: int, seconds: float) -> float
     from nlq_scale.data.loader import make_train_loader
 
     loader = make_train_loader(DataConfig(path=str(dataset), num_workers=workers), seq_length=SEQ,
-                               rank_batch_size=BATCH, dp_rank=0, dp_size=1, local_rank=0, local_world_size=1,
-                               tmp_dir=tmp)
+                               rank_batch_size=BATCH, dp_rank=0, dp_size=1, tmp_dir=tmp)
     try:
         return _timed_batches(iter(loader), seconds)
     finally:

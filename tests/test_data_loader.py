@@ -52,7 +52,7 @@ def other_dataset(tmp_path_factory):
 
 def loader(data, tmp, batch, rank=0, size=1):
     return make_train_loader(data, seq_length=SEQ, rank_batch_size=batch, dp_rank=rank, dp_size=size,
-                             local_rank=0, local_world_size=1, tmp_dir=tmp)
+                             tmp_dir=tmp)
 
 
 def global_digest(rank_batches):
@@ -203,7 +203,7 @@ def test_bad_dataset_paths_and_shapes(dataset, tmp_path):
         loader(DataConfig(streams=[StreamConfig(path=str(tmp_path / "raw"), proportion=1)]), tmp_path, 16)
     with pytest.raises(UsageError, match="--seq-len 64"):
         make_train_loader(DataConfig(path=str(dataset)), seq_length=64, rank_batch_size=1, dp_rank=0, dp_size=1,
-                          local_rank=0, local_world_size=1, tmp_dir=tmp_path)
+                          tmp_dir=tmp_path)
     with pytest.raises(UsageError, match="fewer than one global batch"):
         loader(DataConfig(path=str(dataset)), tmp_path, 100_000)
     with pytest.raises(UsageError, match="num_canonical_nodes"):
@@ -271,7 +271,7 @@ CHILD = textwrap.dedent("""
     from nlq_scale.config.schema import DataConfig
     from nlq_scale.data.loader import make_train_loader
     loader = make_train_loader(DataConfig(path=sys.argv[1]), seq_length=32, rank_batch_size=16, dp_rank=0,
-                               dp_size=1, local_rank=0, local_world_size=1, tmp_dir=Path(sys.argv[2]))
+                               dp_size=1, tmp_dir=Path(sys.argv[2]))
     list(itertools.islice(loader, 3))
     print(json.dumps({"prefix": loader._ownership.prefix, "private": str(loader._ownership.private)}), flush=True)
     os.killpg(0, 9)  # the whole job, as SLURM does: python's resource tracker dies too
@@ -336,7 +336,7 @@ RANK = textwrap.dedent("""
     rank = dist.get_rank()
     def build():
         return make_train_loader(DataConfig(path=path, seed=3), seq_length=32, rank_batch_size=8, dp_rank=rank,
-                                 dp_size=2, local_rank=rank, local_world_size=2, tmp_dir=tmp)
+                                 dp_size=2, tmp_dir=tmp)
     loader = build()
     out = [batch_digest(b) for b in itertools.islice(loader, steps)]
     state = loader.state_dict()

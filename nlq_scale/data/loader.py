@@ -175,17 +175,13 @@ def make_train_loader(
     rank_batch_size: int,
     dp_rank: int,
     dp_size: int,
-    local_rank: int,
-    local_world_size: int,
     tmp_dir: pathlib.Path,
 ) -> TrainLoader:
-    """Only one process per data-parallel rank calls this. local_rank/local_world_size are accepted
-    for the interface but not needed: each data-parallel rank is its own streaming node (see
-    streamset.py), so ranks never coordinate through shared memory."""
+    """Only one process per data-parallel rank calls this. Each data-parallel rank is its own
+    streaming node (see streamset.py), so ranks never coordinate through shared memory and need no
+    local rank."""
     if not 0 <= dp_rank < dp_size:
         raise UsageError(f"dp_rank {dp_rank} is outside data-parallel size {dp_size}")
-    if not 0 <= local_rank < local_world_size:
-        raise UsageError(f"local_rank {local_rank} is outside local world size {local_world_size}")
     if rank_batch_size < 1:
         raise UsageError(f"rank batch size must be positive, got {rank_batch_size}")
     if data.seed < 0:

@@ -67,6 +67,7 @@ class MegatronEngine:
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
         self.tconfig.no_sync_func = self.model.no_sync
+        self._skip_step_when_loading_param_state()
         self._schedule = get_forward_backward_func()
         self._positions = torch.arange(cfg.model.seq_length).unsqueeze(0)
         self._poison = False
@@ -189,7 +190,6 @@ class MegatronEngine:
 
     def load(self, ckpt_dir: Path) -> None:
         self._materialize_adam_state()
-        self._skip_step_when_loading_param_state()
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(ckpt_dir))
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -4,7 +4,6 @@ to the tensor/pipeline-parallel peers, so every peer of a model replica sees the
 from __future__ import annotations
 
 import hashlib
-import socket
 import tempfile
 from pathlib import Path
 
@@ -19,17 +18,6 @@ from nlq_scale.runtime.dist import Layout
 
 def _is_loader(layout: Layout) -> bool:
     return layout.tp_rank == 0 and layout.pp_rank == 0
-
-
-def _local_loader_rank(layout: Layout) -> tuple[int, int]:
-    """(local rank, local world size) among loader processes on this host, for streaming's
-    shared-memory coordination."""
-    host = hashlib.sha1(socket.gethostname().encode()).digest()[:7]
-    mine = torch.tensor([int.from_bytes(host, "big"), int(_is_loader(layout)), layout.rank], dtype=torch.int64)
-    everyone = [torch.zeros_like(mine) for _ in range(layout.world_size)]
-    dist.all_gather(everyone, mine)
-    peers = sorted(int(t[2]) for t in everyone if int(t[0]) == int(mine[0]) and int(t[1]) == 1)
-    return (peers.index(layout.rank) if _is_loader(layout) else 0), max(len(peers), 1)
 
 
 def job_tmp_dir(run_dir: Path) -> Path:
@@ -49,7 +37,6 @@ class DataFeed:
         self.rank_batch = cfg.train.global_batch_size // layout.dp
         self._mp_group = ps.get_model_parallel_group()
         self._src = self._loader_global_rank()
-        local_rank, local_world = _local_loader_rank(layout)
         self.loader = None
         if _is_loader(layout):
             self.loader = make_train_loader(
@@ -58,8 +45,6 @@ class DataFeed:
                 rank_batch_size=self.rank_batch,
                 dp_rank=layout.dp_rank,
                 dp_size=layout.dp,
-                local_rank=local_rank,
-                local_world_size=local_world,
                 tmp_dir=job_tmp_dir(run_dir),
             )
             self._iter = iter(self.loader)
