@@ -8,11 +8,12 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# pyproject.toml states ranges (so the package installs beside a cluster's own torch); constraints.txt
+# pins the exact versions CI and this machine run, for reproducible installs.
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch 2.14.1 / torchvision 0.29.1 are pinned in pyproject (mosaicml-streaming needs torchvision).
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 # Everything, including the slow multi-process and SLURM tests (what CI runs).

@@ -55,8 +55,8 @@ def main() -> None:
     )
     work = Path(tempfile.mkdtemp(prefix="nlq-ckpt-bench-"))
     try:
-        with distributed(cfg.parallel):
-            engine = MegatronEngine(cfg)
+        with distributed(cfg.parallel) as layout:
+            engine = MegatronEngine(cfg, layout.device)
             save_s, load_s = [], []
             for i in range(a.repeats):
                 target = work / f"ckpt{i}"

@@ -1,3 +1,15 @@
-"""nlq-scale: do nonlinear query projections in attention keep winning as models grow?"""
+"""nlq-scale: do nonlinear query projections in attention keep winning as models grow?
+
+The public API (docs/api.md): load_config, build_model, count_parameters. They are imported on
+first use, so `import nlq_scale` stays cheap."""
 
 __version__ = "0.1.0"
+__all__ = ["build_model", "count_parameters", "load_config"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from nlq_scale import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'nlq_scale' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """`nlq-scale` command line. Each part of the library contributes its sub-commands from `<part>/cli.py`
 (a function `add_commands(subparsers)`), so this file never changes when a part grows a command.
 
-Exit codes (DESIGN.md): 0 success, 2 bad input (one line, no traceback), 1 failure at run time.
+Exit codes: 0 success, 2 bad input (one line, no traceback), 1 failure at run time.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from typing import Any
 
 from nlq_scale.errors import RunFailure, UsageError
 
-PARTS = ("model", "data", "train", "cluster", "analysis", "quickstart")
+PARTS = ("config", "model", "data", "train", "cluster", "analysis", "quickstart", "doctor")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -32,7 +33,8 @@ class SubcommandParser(OneLineParser):
     parse_known_intermixed_args calls it back: hence the guard)."""
 
     def parse_known_args(self, args=None, namespace=None):
-        if getattr(self, "_inside", False):
+        # A command with verbs of its own (`config show`) leaves intermixing to its verbs.
+        if getattr(self, "_inside", False) or self._subparsers is not None:
             return super().parse_known_args(args, namespace)
         self._inside = True
         try:
@@ -42,7 +44,19 @@ class SubcommandParser(OneLineParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from nlq_scale import __version__
+    from nlq_scale.config.load import CONFIG_PATH_ENV
+
     parser = OneLineParser(prog="nlq-scale", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"nlq-scale {__version__}")
+    parser.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help=f"a directory of your own scales/, arms/, sweeps/, clusters/ (searched before the shipped "
+        f"ones; repeatable; also ${CONFIG_PATH_ENV})",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
     for part in PARTS:
         name = f"nlq_scale.{part}.cli"
@@ -57,6 +71,16 @@ def emit_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
+def _add_config_dirs(dirs: list[str]) -> None:
+    """Through the environment, so that ranks and submitted jobs started from here see them too."""
+    from nlq_scale.config.load import CONFIG_PATH_ENV
+
+    for d in reversed(dirs):
+        if not os.path.isdir(d):
+            raise UsageError(f"--config-dir {d}: not a directory")
+        os.environ[CONFIG_PATH_ENV] = os.pathsep.join(filter(None, [os.path.abspath(d), os.environ.get(CONFIG_PATH_ENV)]))
+
+
 def main(argv: list[str] | None = None) -> int:
     from nlq_scale.runtime.quiet import quiet_libraries
 
@@ -64,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _add_config_dirs(args.config_dir)
         return int(args.func(args) or 0)
     except UsageError as e:
         print(f"nlq-scale {args.command}: error: {e}", file=sys.stderr)

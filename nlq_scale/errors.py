@@ -1,4 +1,4 @@
-"""Error types that map to the CLI's exit codes (DESIGN.md: 2 = bad input, 1 = run-time failure)."""
+"""Error types that map to the CLI's exit codes (2 = bad input, 1 = run-time failure)."""
 
 
 class UsageError(Exception):

@@ -25,6 +25,20 @@ def test_nonlinear_adds_exactly_3d_per_layer_at_r_half_d():
     assert non_embedding("nonlinear") - non_embedding("linear") == 3 * d * layers
 
 
+def test_without_norm_bias_nonlinear_adds_2d_and_residual_adds_nothing():
+    d, layers = 768, 12
+    assert non_embedding("nonlinear", "model.norm_bias=false") - non_embedding("linear", "model.norm_bias=false") == 2 * d * layers
+    assert non_embedding("residual") == non_embedding("linear")
+    # 2 block LayerNorms per layer + the final one lose their biases
+    assert non_embedding("linear") - non_embedding("linear", "model.norm_bias=false") == (2 * layers + 1) * d
+
+
+def test_qk_norm_kinds():
+    dk, layers = 64, 12
+    assert non_embedding("nonlinear", "model.qk_norm=learned") - non_embedding("nonlinear") == layers * 2 * 2 * dk
+    assert non_embedding("identity", "model.qk_norm=rms") == non_embedding("identity")
+
+
 def test_matched_control_is_within_one_mlp_unit_of_its_target():
     target = non_embedding("nonlinear")
     matched = non_embedding("linear-matched")

@@ -54,6 +54,11 @@ def test_compare_writes_report_plots_and_summary(sweep, tmp_path, capsys):
     assert {c["arm"] for c in summary["cells"]} == {"linear", "nonlinear", "identity"}
     by_arm = {m["arm"]: m for m in summary["multipliers"] if m["scale"] == "t2"}
     assert by_arm["nonlinear"]["value"] > 1 > by_arm["identity"]["value"]
+    assert by_arm["nonlinear"]["separated"] and 0 < by_arm["nonlinear"]["resamples"] <= 300
+    for fit in summary["fits"]:  # an asymptote the seeds' noise moves onto 0 is flagged, never silent
+        assert fit["identifiable"] == (not fit["flags"]) and fit["objective"] >= 0
+        if fit["E"]["ci"][0] < 0:
+            assert "reaches its bound 0" in fit["statement"] and fit["statement"] in report
     assert not list(out.glob(".*.tmp"))  # no temporary leftovers
 
 
@@ -126,9 +131,26 @@ def test_fit_from_tokens_with_bootstrap(tmp_path, capsys):
     D = np.tile(np.geomspace(1e9, 1e11, 4), 5)
     L = (1.8 + 500 / N**0.34 + 2000 / D**0.36) * np.exp(rng.normal(0, 0.002, N.size))
     rows = "\n".join(f"{n},{d},{l}" for n, d, l in zip(N, D, L))
-    assert main([*_fit_csv(tmp_path, "N,D,L\n" + rows + "\n"), "--bootstrap", "4"]) == 0
+    args = [*_fit_csv(tmp_path, "N,D,L\n" + rows + "\n"), "--bootstrap", "4", "--start-grid", SMALL_GRID]
+    assert main(args) == 0
     out = capsys.readouterr().out
-    assert "20 points" in out and "4 bootstrap resamples" in out and "95% CI" in out
+    assert "20 points" in out and "95% CI" in out
+    assert "bootstrap: 4 resamples of the points (seed 0), each refit from 5 starts" in out
+    assert "the intervals rest on 4" in out and "points inside delta" in out and "objective " in out
+    assert "the chosen start converged" in out and "identifiable: no parameter on a bound" in out
+
+    assert main([*args, "--json", "--huber-delta", "0.01", "--loss-space", "linear", "--ftol", "1e-12"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"] == {"huber_delta": 0.01, "loss_space": "linear", "start_grid": SMALL_GRID,
+                               "start_grid_values": SMALL_GRID, "starts": 4, "ftol": 1e-12, "gtol": 1e-12,
+                               "maxiter": 10000}
+    assert doc["diagnostics"]["inside_delta"] == 20  # delta 0.01 in nats: every residual is inside
+    boot = doc["bootstrap"]
+    assert (boot["kept"], boot["failed"], boot["collapsed"], boot["starts_per_resample"]) == (4, 0, 0, 5)
+    assert doc["fit"]["E"] == pytest.approx(1.8, rel=0.05)
+
+
+SMALL_GRID = "a=0,10; b=0,10; e=0; alpha=0.5; beta=0.5"
 
 
 @pytest.mark.parametrize(
@@ -145,3 +167,33 @@ def test_fit_bad_input_exits_2(tmp_path, capsys, text, message):
     assert main(_fit_csv(tmp_path, text)) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--huber-delta", "0"], "--huber-delta: must be positive"),
+        (["--gtol", "-1"], "--gtol: must be positive"),
+        (["--start-grid", "a=0;b=0"], "--start-grid: start grid 'a=0;b=0': no values for e, alpha, beta"),
+        (["--start-grid", "coarse"], "expected one of default, hoffmann"),
+    ],
+)
+def test_fit_bad_options_exit_2(tmp_path, capsys, args, message):
+    assert main([*_fit_csv(tmp_path, "N,D,L\n1e6,1e9,3\n"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_compare_strict_exits_1_on_a_collapsed_fit(tmp_path, capsys):
+    make_sweep(tmp_path, power_law_truth(E=0.0, A=30.0, alpha=0.12), ["linear"], ["t1", "t2", "t3"], seeds=[0, 1])
+    out = tmp_path / "report"
+    assert main(["compare", str(tmp_path), "--out", str(out), "--bootstrap", "100"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path), "--out", str(out), "--bootstrap", "100", "--strict"]) == 1
+    err = capsys.readouterr().err
+    assert "--strict: 2 fit(s) not identifiable from their points: linear on compute (E = " in err
+    assert err.count("\n") == 1
+    report = (out / "report.md").read_text()  # written before the exit
+    assert "Fit of linear's loss on compute: not identifiable from these points: E = " in report
+    summary = json.loads((out / "summary.json").read_text())
+    assert not any(f["identifiable"] for f in summary["fits"]) and summary["fits"][0]["flags"]

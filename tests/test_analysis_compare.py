@@ -196,3 +196,31 @@ def test_bad_input_to_compare(tmp_path):
     _run(running, "r", curve(3.0, EVAL_STEPS, STEPS)[:3], state="running")
     with pytest.raises(UsageError, match="none completed"):
         compare(load_runs([str(running)]), FAST)
+
+
+def test_multiplier_says_when_the_data_cannot_separate_the_arms(tmp_path):
+    from nlq_scale.analysis.report import findings
+
+    truth = power_law_truth(E=2.0, A=30.0, alpha=0.12, multipliers={"nonlinear": 1.0, "identity": 0.5})
+    make_sweep(tmp_path, truth, ["linear", "nonlinear", "identity"], ["t1", "t2", "t3", "t4"], seeds=[0, 1, 2])
+    comp = compare(load_runs([str(tmp_path)]), FAST)
+    same = [m for m in comp.multipliers if m.arm == "nonlinear"]
+    worse = [m for m in comp.multipliers if m.arm == "identity"]
+    assert all(m.estimate.resamples == FAST.resamples for m in same + worse)  # no resample lost its fit here
+    assert any(m.separated is False for m in same)
+    assert all(m.separated and m.estimate.ci[1] < 1 for m in worse[1:])
+    lines = findings(comp)
+    assert any("the data cannot separate nonlinear from linear (the interval includes 1)" in line for line in lines)
+    assert any("identity is less compute-efficient than linear" in line for line in lines)
+    assert any(f"over {FAST.resamples} resamples of seeds and refits" in line for line in lines)
+
+
+def test_a_fit_whose_asymptote_collapses_is_flagged(tmp_path):
+    # no irreducible loss: the best E is ~0 (or below), which these points cannot pin down
+    make_sweep(tmp_path, power_law_truth(E=0.0, A=30.0, alpha=0.12), ["linear"], ["t1", "t2", "t3", "t4", "t5"],
+               seeds=[0, 1], noise=0.001)
+    comp = compare(load_runs([str(tmp_path)]), FAST)
+    fit = next(f for f in comp.fits if f.axis == "compute")
+    assert fit.law is not None and fit.objective >= 0
+    assert fit.statement.startswith("not identifiable from these points: E = ") and "bound 0" in fit.statement
+    assert fit.alpha.resamples is not None and fit.alpha.resamples <= FAST.resamples

@@ -66,7 +66,7 @@ def toy_train(cfg: RunConfig, run_dir: Path) -> str:
             doc = {"state": "running", "step": state["step"], "tokens": state["step"] * 512, "last_checkpoint": None,
                    "error": None, "total_steps": cfg.train.steps, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                    "num_nodes": nodes, "started_at": started, "updated_at": time.time(),
-                   "elapsed_s": time.time() - started, **kw}
+                   "elapsed_s": time.time() - started, "heartbeat_at": time.time(), "step_time_s": 0.2, **kw}
             tmp = run_dir / ".status.tmp"
             tmp.write_text(json.dumps(doc))
             os.replace(tmp, run_dir / "status.json")

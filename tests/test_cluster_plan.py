@@ -64,8 +64,20 @@ def test_sequence_parallelism_only_where_the_config_allows_it():
 
 def test_175b_in_fp32_without_recompute_cannot_fit_any_pipeline():
     """The first stage keeps L layers of activations in flight whatever pp is (1F1B): ~72 GB here."""
-    p = plan("175b", load_cluster("example-8x80gb"))
+    p = plan("175b", load_cluster("example-8x80gb"), "model.bf16=false")
     assert not p.fits and p.memory.activations > 65 * GB and "needs" in p.reason
+
+
+def test_gpu_scales_are_priced_in_bf16_and_learn_the_cluster_device():
+    cluster = load_cluster("example-8x80gb")
+    bf16, fp32 = plan("1.3b", cluster), plan("1.3b", cluster, "model.bf16=false")
+    assert bf16.memory.params * 2 == fp32.memory.params  # 2-byte weights where fp32 has 4
+    from nlq_scale.cluster.plan import apply_layout
+
+    cfg = load_run_config(scale="124m", arm="linear")
+    run = apply_layout(cfg, plan("124m", cluster).layout, "r", cluster)
+    assert run.runtime.device == "cuda" and run.train.device_peak_flops == cluster.peak_tflops * 1e12
+    assert apply_layout(cfg, plan("124m", cluster).layout, "r", load_cluster("local")).runtime.device == "cpu"
 
 
 def test_recompute_and_sharding_shrink_what_they_should():
@@ -112,40 +124,13 @@ def test_plan_cli_reports_layout_memory_cost_and_totals():
 
 @pytest.mark.parametrize("arm", ["linear", "nonlinear"])
 def test_memory_estimate_within_15_percent_of_bytes_allocated_on_cpu(arm):
-    """What is measured: a plain-PyTorch GPT of the same shape (the reference model) trained with fp32
-    AdamW on CPU. Model state = bytes of the storages of parameters, gradients and Adam's state, all
-    live after a step; activations = the peak of the CPU allocator's own accounting (torch.profiler
-    memory events: every alloc and free of every op) over a forward + backward pass, above that state.
-    The reference model uses PyTorch's fused CPU attention, which keeps no probability matrix: the
-    planner's `selective` formula (no s^2 term) is the matching one."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from nlq_scale.model.reference import ReferenceGPT
+    """Measured as tests/memory_probe.py says (the reference model, fp32 AdamW, torch.profiler's
+    allocator events); tests/test_arms.py checks the activations of every arm the same way."""
+    from tests.memory_probe import measure
 
     cfg = load_run_config("cpu-xs", arm, None, ["parallel.recompute=selective", "train.distributed_optimizer=false"])
     b = cfg.train.micro_batch_size
-    torch.manual_seed(0)
-    model = ReferenceGPT(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    tokens = torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_length))
-
-    def forward_backward():
-        model(tokens, tokens).mean().backward()
-
-    forward_backward()
-    opt.step()  # creates Adam's state; gradients stay allocated (zeroed, not freed)
-    opt.zero_grad(set_to_none=False)
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters()),
-               *(v for s in opt.state.values() for v in s.values() if v.dim() > 0)]
-    state_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        forward_backward()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    assert abs(live) < 1024  # everything allocated in the pass was freed again: the accounting closes
+    state_bytes, peak = measure(cfg)
 
     layout = Layout(1, 1, 1, 1, 1, b, 1, "selective", False)
     est = memory_per_device(cfg, layout)

@@ -273,3 +273,21 @@ def test_sbatch_template_trains_and_requeues_itself_after_preemption(slurm_clust
     assert "preempt" in kinds and "resume" in kinds, kinds
     assert executors.read_json(run_dir / "status.json")["slurm_job_id"] == job
     assert "ended as preempted" in Path(tmp_path / f"sbatch-{job}.out").read_text()
+
+
+def test_sbatch_template_runs_tensor_parallel_across_two_nodes(slurm_cluster, prepared_data, tmp_path):
+    """`srun nlq-scale train` checks the layout against the real world size (SLURM_NTASKS = 2), not 1:
+    a TP=2 run across the two nodes completes. Submitted from an unrelated directory, the template
+    finds run-train.sh through `nlq-scale config path slurm`."""
+    run_dir = tmp_path / "run"
+    env = os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(
+        ["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", f"--output={tmp_path}/sbatch-%j.out",
+         str(REPO / "slurm" / "train.sbatch"), str(run_dir), "--scale", "cpu-xs", "--arm", "nonlinear",
+         f"data.path={prepared_data}", "train.steps=6", "train.warmup_steps=1", "parallel.tp=2",
+         "logging.wandb=false"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, check=True,
+    )  # fmt: skip
+    assert wait_done([run_dir], timeout=600)[run_dir] == "completed"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["layout"]["tp"] == 2 and manifest["layout"]["world_size"] == 2 and manifest["layout"]["nodes"] == 2

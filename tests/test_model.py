@@ -1,24 +1,12 @@
-"""The megatron-core model against the plain-PyTorch reference, and the accounting against both."""
+"""The megatron-core model beyond the arms' conformance suite (tests/test_arms.py): attention
+scale, MoE, activation recomputation."""
 
 import pytest
 import torch
 
 from nlq_scale.config import load_run_config
 from nlq_scale.model.accounting import count_parameters
-from tests.conftest import TINY_MODEL, run_ranks
-
-ARM_CASES = [
-    ("linear", []),
-    ("identity", []),
-    ("nonlinear", []),
-    ("preproj", []),
-    ("nonlinear", ["model.position_embedding=rope", "model.num_query_groups=2", "model.qk_norm=true"]),
-    ("identity", ["model.num_query_groups=1", "model.normalization=RMSNorm"]),
-    ("nonlinear", ["model.nlq.activation=relu2", "model.nlq.rank=24", "model.add_bias_linear=true"]),
-    ("linear", ["model.tie_embeddings=false", "model.position_embedding=rope", "model.num_query_groups=2"]),
-    ("linear-mlp4.75", []),
-    ("linear-matched", []),
-]
+from tests.conftest import TINY_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -30,41 +18,18 @@ def single_rank():
         yield
 
 
-def build(arm, overrides):
+def build_model(cfg, seed: int = 7):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from nlq_scale.model.gpt import build_gpt
 
+    model_parallel_cuda_manual_seed(seed)
+    return build_gpt(cfg.model, cfg.parallel)
+
+
+def build(arm, overrides):
     cfg = load_run_config("124m", arm, overrides=TINY_MODEL + overrides)
-    model_parallel_cuda_manual_seed(7)
-    return cfg, build_gpt(cfg.model, cfg.parallel)
-
-
-@pytest.mark.parametrize("arm, overrides", ARM_CASES)
-def test_megatron_logits_equal_reference(single_rank, arm, overrides):
-    from nlq_scale.model.reference import ReferenceGPT, load_into_megatron
-
-    cfg, model = build(arm, overrides)
-    torch.manual_seed(0)
-    ref = ReferenceGPT(cfg.model)
-    load_into_megatron(model, ref)
-    tokens = torch.randint(0, cfg.model.vocab_size, (3, cfg.model.seq_length))
-    positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(3, -1)
-    with torch.no_grad():
-        ours = model(tokens, positions, None)
-        theirs = ref(tokens)
-    assert ours.shape == theirs.shape
-    assert (ours - theirs).abs().max().item() <= 1e-5
-
-
-@pytest.mark.parametrize("arm, overrides", ARM_CASES)
-def test_accounting_matches_built_models(single_rank, arm, overrides):
-    from nlq_scale.model.reference import ReferenceGPT
-
-    cfg, model = build(arm, overrides)
-    counted = count_parameters(cfg.model)
-    assert sum(p.numel() for p in model.parameters()) == counted.total
-    assert sum(p.numel() for p in ReferenceGPT(cfg.model).parameters()) == counted.total
+    return cfg, build_model(cfg)
 
 
 def test_identity_arm_halves_the_attention_scale(single_rank):
@@ -93,22 +58,6 @@ def test_moe_model_builds_and_counts(single_rank, moe_scale_reset):
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None for n, p in model.named_parameters() if "experts" in n)
-
-
-@pytest.mark.slow
-def test_parallel_layouts_give_the_reference_loss(tmp_path):
-    """TP=2, PP=2 and TP2xPP2 on the reference weights give the TP=1 loss (which equals the
-    reference's, by the logits test), for every arm."""
-    import json
-
-    arms = ("linear", "identity", "nonlinear", "preproj")
-    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
-        run_ranks("layout_loss.py", tp * pp, str(tp), str(pp), str(tmp_path / f"{tp}x{pp}.json"), *arms)
-    losses = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
-    base = losses.pop("1x1")
-    for layout, per_arm in losses.items():
-        for arm in arms:
-            assert abs(per_arm[arm] - base[arm]) <= 1e-5 * base[arm], (layout, arm, per_arm[arm], base[arm])
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])

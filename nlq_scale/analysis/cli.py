@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nlq_scale.errors import UsageError
+from nlq_scale.errors import RunFailure, UsageError
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +33,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="val loss this far above its running best (nats) is a spike or a blow-up (default 0.5)")
     p.add_argument("--trend-axis", choices=("compute", "params"), default="compute",
                    help="regress the improvement on log compute or log params (default compute)")
+    p.add_argument("--strict", action="store_true", help="exit 1 (after writing the report) when a scaling fit is "
+                   "not identifiable from its points")
     p.add_argument("--wandb", action="store_true", help="also log the tables and plots to a W&B run")
     p.add_argument("--wandb-project", default="nlq-scale")
     p.set_defaults(func=_compare)
@@ -45,8 +47,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cols.add_argument("--flops-col", help="training FLOPs; tokens = FLOPs / (6 N)")
     p.add_argument("--loss-col", required=True)
     p.add_argument("--drop-highest", type=int, default=0, help="drop the K highest-loss points")
-    p.add_argument("--bootstrap", type=int, default=0, help="resample points B times for CIs (default 0 = none)")
+    p.add_argument("--bootstrap", type=int, default=0,
+                   help="resample points B times for CIs, each refit from the whole start grid (default 0 = none)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap random seed")
+    p.add_argument("--huber-delta", type=float, default=1e-3, help="Huber loss delta (default 1e-3, Hoffmann et al.)")
+    p.add_argument("--loss-space", choices=("log", "linear"), default="log",
+                   help="residual log L - log prediction, or L - prediction (default log)")
+    p.add_argument("--start-grid", default="default",
+                   help="starts: default (36), hoffmann (4500), or 'a=0,10;b=0,10;e=0;alpha=0.5;beta=0.5' "
+                        "(a, b, e = ln A, ln B, ln E)")
+    p.add_argument("--ftol", type=float, default=1e-15, help="L-BFGS-B ftol (default 1e-15)")
+    p.add_argument("--gtol", type=float, default=1e-12, help="L-BFGS-B gtol (default 1e-12)")
+    p.add_argument("--maxiter", type=int, default=10000, help="L-BFGS-B iterations per start (default 10000)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when the points do not determine the fit")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_fit)
 
@@ -99,6 +112,9 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"summary: {paths.summary}")
         for path in paths.plots.values():
             print(f"plot:    {path}")
+    flagged = [f"{f.arm} on {f.axis} ({'; '.join(f.flags)})" for f in comp.fits if f.flags]
+    if args.strict and flagged:
+        raise RunFailure(f"--strict: {len(flagged)} fit(s) not identifiable from their points: {', '.join(flagged)}")
     return 0
 
 
@@ -116,6 +132,7 @@ def _fit(args: argparse.Namespace) -> int:
 
     if args.drop_highest < 0 or args.bootstrap < 0:
         raise UsageError("--drop-highest and --bootstrap must be >= 0")
+    settings = _fit_settings(args)
     x_col = args.tokens_col or args.flops_col
     cols = read_csv_columns(args.csv, [args.params_col, x_col, args.loss_col])
     N, X, L = (np.array(complete_column(cols[c], args.csv, c)) for c in (args.params_col, x_col, args.loss_col))
@@ -127,7 +144,7 @@ def _fit(args: argparse.Namespace) -> int:
     keep = np.sort(np.argsort(L, kind="stable")[: len(L) - args.drop_highest])
     D = X if args.tokens_col else X / (6 * N)
     try:
-        fit = fits.fit_chinchilla(N[keep], D[keep], L[keep])
+        fitted = fits.fit_chinchilla(N[keep], D[keep], L[keep], settings)
     except fits.NotIdentifiable as e:
         raise UsageError(f"{args.csv}: {e}") from None
     result = {
@@ -136,44 +153,76 @@ def _fit(args: argparse.Namespace) -> int:
         "tokens": "column " + args.tokens_col if args.tokens_col else f"{args.flops_col} / (6 N)",
         "n_points": int(keep.size),
         "dropped_highest": args.drop_highest,
-        "huber_delta": fits.HUBER_DELTA,
-        "fit": fit.as_dict(),
-        "bootstrap": _chinchilla_cis(fit, N[keep], D[keep], L[keep], args.bootstrap, args.seed),
+        "settings": settings.as_dict(),
+        "fit": fitted.fit.as_dict(),
+        "diagnostics": fitted.diagnostics.as_dict(),
+        "bootstrap": _chinchilla_cis(fitted, N[keep], D[keep], L[keep], args.bootstrap, args.seed),
     }
     if args.json:
         emit_json(result)
     else:
         _print_fit(result)
+    if args.strict and fitted.diagnostics.flags:
+        raise RunFailure(f"--strict: {fitted.diagnostics.statement}")
     return 0
 
 
+def _fit_settings(args: argparse.Namespace):
+    from nlq_scale.analysis import fits
+
+    for value, flag in ((args.huber_delta, "--huber-delta"), (args.ftol, "--ftol"), (args.gtol, "--gtol"),
+                        (args.maxiter, "--maxiter")):
+        _positive(value, flag)
+    try:
+        return fits.FitSettings(args.huber_delta, args.loss_space, args.start_grid, args.ftol, args.gtol, args.maxiter)
+    except fits.BadSetting as e:
+        raise UsageError(f"--start-grid: {e}") from None
+
+
 PARAMS = ("E", "A", "B", "alpha", "beta")
+MIN_KEPT = 2  # resamples an interval needs
 
 
-def _chinchilla_cis(fit, N, D, L, resamples: int, seed: int) -> dict | None:
+def _chinchilla_cis(fitted, N, D, L, resamples: int, seed: int) -> dict | None:
     import numpy as np
 
     from nlq_scale.analysis import fits
 
     if resamples == 0:
         return None
-    boots = fits.bootstrap_chinchilla(N, D, L, fit, resamples, seed)
-    table = np.array([[getattr(b, k) for k in PARAMS] for b in boots])
+    boot = fits.bootstrap_chinchilla(N, D, L, fitted, resamples, seed)
+    out = {"resamples": resamples, "seed": seed, "starts_per_resample": boot.starts, "kept": len(boot.fits),
+           "failed": boot.failed, "collapsed": boot.collapsed, "ci95": None, "std": None}
+    if len(boot.fits) < MIN_KEPT:
+        return out
+    table = np.array([[getattr(b, k) for k in PARAMS] for b in boot.fits])
     lo, hi = np.percentile(table, [2.5, 97.5], axis=0)
-    return {
-        "resamples": resamples,
-        "seed": seed,
-        "ci95": {k: [float(lo[i]), float(hi[i])] for i, k in enumerate(PARAMS)},
-        "std": {k: float(table[:, i].std(ddof=1)) for i, k in enumerate(PARAMS)},
-    }
+    out["ci95"] = {k: [float(lo[i]), float(hi[i])] for i, k in enumerate(PARAMS)}
+    out["std"] = {k: float(table[:, i].std(ddof=1)) for i, k in enumerate(PARAMS)}
+    return out
 
 
 def _print_fit(result: dict) -> None:
-    fit, boot = result["fit"], result["bootstrap"]
+    fit, boot, diag, s = result["fit"], result["bootstrap"], result["diagnostics"], result["settings"]
     print(f"{result['model']}  ({result['n_points']} points, {result['dropped_highest']} highest dropped, "
           f"tokens = {result['tokens']})")
     for k in PARAMS:
-        ci = "" if boot is None else f"  95% CI [{boot['ci95'][k][0]:.4g}, {boot['ci95'][k][1]:.4g}]"
-        print(f"  {k:<6}{fit[k]:.4g}{ci}")
+        ci = (boot or {}).get("ci95")
+        print(f"  {k:<6}{fit[k]:.4g}" + (f"  95% CI [{ci[k][0]:.4g}, {ci[k][1]:.4g}]" if ci else ""))
+    print(f"  objective {fit['objective']:.10g}: Huber delta {s['huber_delta']:g} on the {s['loss_space']} loss; "
+          f"{diag['inside_delta']} of {result['n_points']} points inside delta")
+    state = "converged" if diag["converged"] else "did NOT converge"
+    print(f"  L-BFGS-B from {s['starts']} starts (grid {s['start_grid']}), ftol {s['ftol']:g}, gtol {s['gtol']:g}: "
+          f"the chosen start {state} ({diag['message']}); {diag['starts_converged']} converged, "
+          f"{diag['starts_at_optimum']} reached the optimum")
+    if diag["starts_at_optimum"] == 1 < diag["starts"]:
+        print("  (one start alone reached it: another optimum may lie lower, or the tolerances stop short)")
     if boot is not None:
-        print(f"  ({boot['resamples']} bootstrap resamples of the points, seed {boot['seed']})")
+        print(f"  bootstrap: {boot['resamples']} resamples of the points (seed {boot['seed']}), each refit from "
+              f"{boot['starts_per_resample']} starts; {boot['failed']} failed to converge and {boot['collapsed']} "
+              f"collapsed onto a bound, dropped; the intervals rest on {boot['kept']}"
+              + ("" if boot["ci95"] is not None else f" (fewer than {MIN_KEPT}: no interval)"))
+        if boot["collapsed"]:
+            print(f"  ({boot['collapsed']} of {boot['resamples']} resamples collapsed: the intervals hold only for "
+                  "resamples that keep E and the exponents off their bounds)")
+    print("  " + (diag["statement"] or "identifiable: no parameter on a bound, no flat direction"))

@@ -16,10 +16,11 @@ import numpy as np
 from nlq_scale.analysis import fits, stats
 from nlq_scale.analysis.divergence import Divergence, detect_divergence, detect_spikes
 from nlq_scale.analysis.runs import Run
+from nlq_scale.arms import baseline
 from nlq_scale.errors import UsageError
 
 Axis = Literal["compute", "params"]
-DEFAULT_REFERENCE = "linear"
+DEFAULT_REFERENCE = baseline().name
 MIN_SEEDS_FOR_CI = 2
 
 
@@ -96,6 +97,7 @@ class Estimate:
     value: float | None
     ci: tuple[float, float] | None = None
     note: str = ""
+    resamples: int | None = None  # how many bootstrap resamples the interval rests on
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,12 @@ class ArmFit:
     note: str  # why not identifiable, or caveats
     alpha: Estimate | None = None
     E: Estimate | None = None
+    objective: float | None = None  # sum of squared residuals at the optimum
+    flags: tuple[str, ...] = ()  # why the points do not determine the law although one was fitted
+
+    @property
+    def statement(self) -> str:
+        return "not identifiable from these points: " + "; ".join(self.flags) + "." if self.flags else ""
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,12 @@ class Multiplier:
     scale: str
     estimate: Estimate  # C_ref / C_arm at equal loss
     extrapolated: bool
+
+    @property
+    def separated(self) -> bool | None:
+        """Whether the interval excludes 1 (the arms' compute efficiencies differ); None without one."""
+        ci = self.estimate.ci
+        return None if ci is None else bool(ci[0] > 1 or ci[1] < 1)
 
 
 @dataclass(frozen=True)
@@ -265,13 +279,18 @@ def arm_gaps(cells, reference: str, arm: str, scales: list[str], options: Option
         x, r = cells[(arm, scale)], cells[(reference, scale)]
         note = _seed_note([x, r])
 
-        def interval(samples: np.ndarray) -> tuple[float, float] | None:
-            return None if note else stats.percentile_ci(samples, options.level)
+        def estimate(value: float, samples: np.ndarray) -> Estimate:
+            return Estimate(value, None, note) if note else boot_estimate(value, samples, options.level)
 
-        absolute = Estimate(r.mean - x.mean, interval(r.boot - x.boot), note)
-        relative = Estimate(improvement_pct(r.mean, x.mean), interval(improvement_pct(r.boot, x.boot)), note)
+        absolute = estimate(r.mean - x.mean, r.boot - x.boot)
+        relative = estimate(improvement_pct(r.mean, x.mean), improvement_pct(r.boot, x.boot))
         out.append(Gap(arm, scale, absolute, relative, x.n, r.n))
     return out
+
+
+def boot_estimate(value: float | None, samples: np.ndarray, level: float, note: str = "") -> Estimate:
+    """An estimate whose interval rests on the resamples that gave a number (NaN marks a dropped one)."""
+    return Estimate(value, stats.percentile_ci(samples, level), note, int((~np.isnan(samples)).sum()))
 
 
 def improvement_pct(ref_loss, arm_loss):
@@ -301,19 +320,20 @@ def fit_arm(cells, arm: str, scales: list[str], axis: Axis, options: Options) ->
         return ArmFit(arm, axis, None, join_notes(f"not identifiable: {e}", missing))
     exact = "3 points for 3 parameters: exact interpolation, no residual check" if len(usable) == 3 else ""
     note = join_notes(missing, exact)
+    objective = float(((law(x) - y) ** 2).sum())
+    flags = fits.power_law_flags(x, y, law, options.level)
     seed_note = _seed_note(usable)
     if seed_note:
-        return ArmFit(arm, axis, law, note, Estimate(law.alpha, None, seed_note), Estimate(law.E, None, seed_note))
+        alpha_est, E_est = Estimate(law.alpha, None, seed_note), Estimate(law.E, None, seed_note)
+        return ArmFit(arm, axis, law, note, alpha_est, E_est, objective, tuple(flags))
     E, _, alpha, ok = fits.fit_power_law_batch(x, np.stack([c.boot for c in usable], axis=1))
     fail = _failure_note(ok)
-    return ArmFit(
-        arm,
-        axis,
-        law,
-        note,
-        Estimate(law.alpha, stats.percentile_ci(np.where(ok, alpha, np.nan), options.level), fail),
-        Estimate(law.E, stats.percentile_ci(np.where(ok, E, np.nan), options.level), fail),
-    )
+    alpha_est = boot_estimate(law.alpha, np.where(ok, alpha, np.nan), options.level, fail)
+    E_est = boot_estimate(law.E, np.where(ok, E, np.nan), options.level, fail)
+    if E_est.ci is not None and E_est.ci[0] < fits.E_FLOOR * y.min() and law.E >= fits.E_FLOOR * y.min():
+        # the seeds' noise alone moves the asymptote onto its bound: the points do not pin it down
+        flags.append(f"E's {options.level:.0%} interval [{E_est.ci[0]:.3g}, {E_est.ci[1]:.3g}] reaches its bound 0")
+    return ArmFit(arm, axis, law, note, alpha_est, E_est, objective, tuple(flags))
 
 
 def join_notes(*notes: str) -> str:
@@ -343,19 +363,24 @@ def compute_multipliers(cells, ref_fit: ArmFit, arm: str, scales: list[str], opt
         c_ref = ref_fit.law.inverse(cell.mean)
         value = c_ref / cell.compute
         extrapolated = not (ref_fit.law.x_min <= c_ref <= ref_fit.law.x_max)
-        out.append(Multiplier(arm, scale, _multiplier_estimate(value, cell, ref_cells, options), extrapolated))
+        out.append(Multiplier(arm, scale, _multiplier_estimate(value, cell, ref_cells, ref_fit, options), extrapolated))
     return out
 
 
-def _multiplier_estimate(value: float, cell: Cell, ref_cells: list[Cell], options: Options) -> Estimate:
+def _multiplier_estimate(
+    value: float, cell: Cell, ref_cells: list[Cell], ref_fit: ArmFit, options: Options
+) -> Estimate:
+    """The interval is over seeds and fits: every resample of the seeds refits the reference's law
+    and reads it at that resample's arm loss."""
     beyond = "the arm's loss is below the reference fit's asymptote E" if math.isinf(value) else ""
+    shaky = f"reference fit {ref_fit.statement}" if ref_fit.flags else ""
     seed_note = _seed_note([cell, *ref_cells])
     if seed_note:
-        return Estimate(_finite_or_none(value), None, join_notes(beyond, seed_note))
+        return Estimate(_finite_or_none(value), None, join_notes(beyond, shaky, seed_note))
     x = np.array([c.compute for c in ref_cells])
     E, A, alpha, ok = fits.fit_power_law_batch(x, np.stack([c.boot for c in ref_cells], axis=1))
     boot = np.where(ok, fits.inverse_batch(E, A, alpha, cell.boot) / cell.compute, np.nan)
-    return Estimate(_finite_or_none(value), stats.percentile_ci(boot, options.level), join_notes(beyond, _failure_note(ok)))
+    return boot_estimate(_finite_or_none(value), boot, options.level, join_notes(beyond, shaky, _failure_note(ok)))
 
 
 def _finite_or_none(value: float) -> float | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nlq_scale import __version__
+from nlq_scale.arms import baseline
 from nlq_scale.config.load import build_run_config, dump_run_config
 from nlq_scale.config.schema import ARMS
 from nlq_scale.errors import UsageError
@@ -135,7 +136,7 @@ def _write_run_dir(run_dir: Path, spec: ImportSpec, records: list[dict]) -> None
             "variant": spec.arm,
             "seed": spec.seed,
             # the placeholder model is never used for accounting: manifest.import says what is known
-            "model": {"arm": spec.arm if spec.arm in ARMS else "linear"},
+            "model": {"arm": spec.arm if spec.arm in ARMS else baseline().name},
             "train": {"steps": max(last, 1), **({"lr": spec.lr} if spec.lr is not None else {})},
         },
         source="import-csv",

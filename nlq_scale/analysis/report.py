@@ -40,7 +40,7 @@ def _ci(ci: tuple[float, float] | None) -> list | None:
 
 
 def _estimate(e: Estimate | None) -> dict | None:
-    return None if e is None else {"value": _num(e.value), "ci": _ci(e.ci), "note": e.note}
+    return None if e is None else {"value": _num(e.value), "ci": _ci(e.ci), "note": e.note, "resamples": e.resamples}
 
 
 def summary(comp: Comparison, plots: dict[str, str] | None = None) -> dict[str, Any]:
@@ -92,12 +92,14 @@ def _gap_row(g: Gap) -> dict:
 
 def _fit_row(f: ArmFit) -> dict:
     law = None if f.law is None else {k: _num(v) for k, v in f.law.as_dict().items()}
-    return {"arm": f.arm, "axis": f.axis, "identifiable": f.law is not None, "law": law, "note": f.note,
+    return {"arm": f.arm, "axis": f.axis, "identifiable": f.law is not None and not f.flags, "law": law,
+            "objective": _num(f.objective), "flags": list(f.flags), "statement": f.statement, "note": f.note,
             "alpha": _estimate(f.alpha), "E": _estimate(f.E)}
 
 
 def _multiplier_row(m: Multiplier) -> dict:
-    return {"arm": m.arm, "scale": m.scale, **_estimate(m.estimate), "extrapolated": m.extrapolated}
+    return {"arm": m.arm, "scale": m.scale, **_estimate(m.estimate), "extrapolated": m.extrapolated,
+            "separated": m.separated}
 
 
 def _trend_row(t: Trend) -> dict:
@@ -134,9 +136,13 @@ def multiplier_statement(m: Multiplier, reference: str, level: float) -> str:
     if e.value is None:
         return f"{m.scale}: compute multiplier of {m.arm} over {reference}: not available ({e.note})."
     where = " (extrapolated beyond the reference's fitted range)" if m.extrapolated else ""
-    ci = f"{_fmt_ci(e.ci, '.3g')} at {level:.0%}" if e.ci is not None else f"no interval: {e.note}"
-    return (f"{m.scale}: {reference} needs {e.value:.3g}x the compute of {m.arm} to reach {m.arm}'s loss, "
-            f"{ci}{where}.")
+    head = f"{m.scale}: {reference} needs {e.value:.3g}x the compute of {m.arm} to reach {m.arm}'s loss"
+    if e.ci is None:
+        return f"{head}, no interval: {e.note}{where}; whether the arms differ cannot be told."
+    head += f", {_fmt_ci(e.ci, '.3g')} at {level:.0%} over {e.resamples} resamples of seeds and refits{where}"
+    if not m.separated:
+        return f"{head}: the data cannot separate {m.arm} from {reference} (the interval includes 1)."
+    return f"{head}: {m.arm} is {'more' if e.ci[0] > 1 else 'less'} compute-efficient than {reference}."
 
 
 def trend_statement(t: Trend, reference: str, level: float) -> str:
@@ -160,6 +166,7 @@ def findings(comp: Comparison) -> list[str]:
     lvl, ref = comp.options.level, comp.reference
     out = [gap_statement(g, ref, lvl) for g in comp.gaps]
     out += [multiplier_statement(m, ref, lvl) for m in comp.multipliers]
+    out += [f"Fit of {f.arm}'s loss on {f.axis}: {f.statement}" for f in comp.fits if f.flags]
     out += [trend_statement(t, ref, lvl) for t in comp.trends]
     diverged = [v for v in comp.verdicts if v.divergence is not None]
     if diverged:
@@ -259,16 +266,18 @@ def _fits_table(comp: Comparison) -> str:
         rows.append([
             f.arm, f.axis, _g(law and law.E, ".4f"), _fmt_ci(f.E and f.E.ci, ".4f"), _g(law and law.A, ".4g"),
             _g(law and law.alpha, ".4f"), _fmt_ci(f.alpha and f.alpha.ci, ".4f"), law.n_points if law else "",
-            join_notes(f.note, f.alpha.note if f.alpha else ""),
+            _g(f.objective, ".3g"), _g(f.alpha and f.alpha.resamples, "d"),
+            join_notes(f.statement, f.note, f.alpha.note if f.alpha else ""),
         ])
-    return _table(["arm", "x", "E", f"E {ci}", "A", "α", f"α {ci}", "points", "note"], rows)
+    return _table(["arm", "x", "E", f"E {ci}", "A", "α", f"α {ci}", "points", "SSE", "resamples", "note"], rows)
 
 
 def _multipliers_table(comp: Comparison) -> str:
     return _table(
-        ["scale", "arm", "multiplier", _ci_label(comp), "extrapolated", "note"],
-        [[m.scale, m.arm, _g(m.estimate.value, ".3f"), _fmt_ci(m.estimate.ci, ".3f"),
-          "yes" if m.extrapolated else "no", m.estimate.note] for m in comp.multipliers],
+        ["scale", "arm", "multiplier", _ci_label(comp), "resamples", "separates the arms", "extrapolated", "note"],
+        [[m.scale, m.arm, _g(m.estimate.value, ".3f"), _fmt_ci(m.estimate.ci, ".3f"), _g(m.estimate.resamples, "d"),
+          {True: "yes", False: "no", None: "n/a"}[m.separated], "yes" if m.extrapolated else "no", m.estimate.note]
+         for m in comp.multipliers],
     )
 
 

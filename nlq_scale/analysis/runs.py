@@ -1,6 +1,6 @@
 """Load finished or running runs into one in-memory form, whatever wrote them.
 
-Sources: run directories (DESIGN.md's contract: config.yaml, manifest.json, status.json,
+Sources: run directories (the run-directory contract of docs/training.md: config.yaml, manifest.json, status.json,
 metrics.jsonl), offline W&B runs (read through `wandb leet inspect --json`, no network), and online
 W&B projects (`wandb:ENTITY/PROJECT`, through `wandb.Api()` when the user is logged in). CSV logs
 become run directories first (`nlq-scale import-csv`, csvio.py), so they load as run directories.

@@ -17,7 +17,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("submit", help="submit a sweep's runs (idempotent: finished runs are skipped)",
                        usage="nlq-scale submit SWEEP [key=value ...] [--root DIR] [--cluster CLUSTER] "
-                             "[--executor {slurm,local}] [--dry-run] [--retry-failed] [--json]")
+                             "[--executor {slurm,local}] [--dry-run] [--retry-failed] [--retry-stale] "
+                             "[--stale-after SECONDS] [--json]")
     _sweep_and_overrides(p)
     p.add_argument("--root", help="run root (default: the sweep's root, else ./runs)")
     p.add_argument("--cluster", help="cluster file (or a name in configs/clusters); default: the sweep's")
@@ -25,13 +26,23 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="slurm: queue job arrays; local: run the jobs one by one on this machine")
     p.add_argument("--dry-run", action="store_true", help="print what would be submitted, submit nothing")
     p.add_argument("--retry-failed", action="store_true", help="also resubmit runs whose state is failed")
+    p.add_argument("--retry-stale", action="store_true",
+                   help="also resubmit stale runs (running, no heartbeat for too long), cancelling their job first")
+    _stale_after(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("status", help="one row per run: state, progress, loss, job, error")
     p.add_argument("root", help="run root, sweep dir or run dir")
+    _stale_after(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
+
+
+def _stale_after(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stale-after", type=float, metavar="SECONDS",
+                   help="heartbeat age that makes a running run stale (default: 10 of its slowest steps, "
+                        "at least 300 s)")
 
 
 def _sweep_and_overrides(p: argparse.ArgumentParser) -> None:
@@ -96,7 +107,7 @@ def _columns(head: tuple, rows: list[tuple]) -> list[str]:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from nlq_scale.cli import emit_json
-    from nlq_scale.cluster.executors import decide, submit
+    from nlq_scale.cluster.executors import decide_and_submit
     from nlq_scale.cluster.plan import plan_sweep
     from nlq_scale.cluster.sweep import check_prepared_data
 
@@ -104,8 +115,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     runs = plan_sweep(sweep, cluster, args.overrides)
     check_prepared_data(r.spec for r in runs)
     root = Path(args.root or sweep.root or "runs").resolve()
-    decisions = decide(runs, root, args.retry_failed)
-    records = [] if args.dry_run else submit(decisions, cluster, args.executor, root, sweep.name)
+    decisions, records = decide_and_submit(runs, root, sweep.name, cluster, args.executor, dry_run=args.dry_run,
+                                           retry_failed=args.retry_failed, retry_stale=args.retry_stale,
+                                           stale_s=args.stale_after)
     jobs = {r["run_id"]: r["job_id"] for r in records}
     rows = [
         {"run_id": d.run.spec.run_id, "action": d.action, "reason": d.reason, "run_dir": str(d.run_dir),
@@ -136,7 +148,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     root = Path(args.root)
     if not root.is_dir():
         raise UsageError(f"{root}: no such directory")
-    rows = collect(root.resolve())
+    rows = collect(root.resolve(), args.stale_after)
     if args.json:
         emit_json({"root": str(root.resolve()), "runs": rows})
     else:

@@ -2,32 +2,39 @@
 
 Idempotent: each run's directory tells what to do with it (status.json from the train loop, job.json
 from the last submission): completed and diverged runs are skipped, failed ones too unless
---retry-failed, runs whose last job still sits in the queue are left alone, everything else (new,
-preempted, running-but-dead) is submitted and resumes from its run dir.
+--retry-failed, stale ones (running, but no heartbeat for too long) too unless --retry-stale (which
+cancels their old job first), runs whose last job still sits in the queue are left alone, everything
+else (new, preempted, running-but-dead) is submitted and resumes from its run dir. One submission of
+a sweep at a time: a lock file in the sweep directory serialises them, so two at once submit each
+run once.
 
 job.json (written here, read by `status`): {"executor", "job_id", "folder", "submitted_at", "log"}.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Iterable, Iterator, Literal
 
 
 from nlq_scale.cluster.plan import ClusterConfig, Layout, PlannedRun
 from nlq_scale.errors import RunFailure, UsageError
-from nlq_scale.train.rundir import claim, write_json
+from nlq_scale.train.rundir import claim, heartbeat_age, is_stale, stale_after, write_json
 
 ExecutorKind = Literal["slurm", "local"]
 JOB_FILE = "job.json"
+LOCK_FILE = ".submit.lock"
 # squeue states of a job that will still run (or is running) without resubmission.
 LIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
                "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
@@ -92,17 +99,40 @@ class Decision:
     run_dir: Path
     action: Literal["submit", "resume", "retry", "skip"]
     reason: str
+    cancel: dict | None = None  # a retried run's job (job.json) still queued: cancelled before resubmitting
 
 
-def decide(runs: list[PlannedRun], root: Path, retry_failed: bool) -> list[Decision]:
+@contextlib.contextmanager
+def sweep_lock(root: Path, sweep: str) -> Iterator[None]:
+    """Held for a whole submission of `sweep` under `root`: a second one waits, then finds the
+    first's jobs queued. Other sweeps have their own lock. flock: released if the holder dies."""
+    folder = root / sweep
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_FILE, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another submit of sweep {sweep} under {root} to finish", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def decide(
+    runs: list[PlannedRun], root: Path, retry_failed: bool, retry_stale: bool = False, stale_s: float | None = None
+) -> list[Decision]:
     dirs = [r.spec.run_dir(root) for r in runs]
     for run, run_dir in zip(runs, dirs):
-        claim(run_dir, run.cfg, create=False)  # a different config there: refuse before submitting
+        claim(run_dir, run.cfg, create=False)  # a different run there: refuse before submitting
     alive = job_liveness(d for d in dirs if (d / JOB_FILE).exists())
-    return [_decide_one(run, d, alive.get(d, False), retry_failed) for run, d in zip(runs, dirs)]
+    return [_decide_one(run, d, alive.get(d, False), retry_failed, retry_stale, stale_s) for run, d in zip(runs, dirs)]
 
 
-def _decide_one(run: PlannedRun, run_dir: Path, alive: bool | None, retry_failed: bool) -> Decision:
+def _decide_one(
+    run: PlannedRun, run_dir: Path, alive: bool | None, retry_failed: bool, retry_stale: bool, stale_s: float | None
+) -> Decision:
     status = read_json(run_dir / "status.json")
     state = status.get("state")
     job = read_json(run_dir / JOB_FILE)
@@ -111,9 +141,14 @@ def _decide_one(run: PlannedRun, run_dir: Path, alive: bool | None, retry_failed
     if state == "diverged":
         return Decision(run, run_dir, "skip", "diverged (a result, not an error)")
     if state == "failed":
-        if retry_failed:
-            return Decision(run, run_dir, "retry", f"failed: {status.get('error')}")
+        if retry_failed:  # its job may linger (a lost node keeps the allocation): cancelled first
+            return Decision(run, run_dir, "retry", f"failed: {status.get('error')}", cancel=job if alive else None)
         return Decision(run, run_dir, "skip", "failed (resubmit with --retry-failed)")
+    if alive is not False and is_stale(status, stale_s):
+        silence = f"no heartbeat for {heartbeat_age(status):.0f} s (bound {stale_s or stale_after(status):.0f} s)"
+        if retry_stale:
+            return Decision(run, run_dir, "retry", f"stale: {silence}", cancel=job or None)
+        return Decision(run, run_dir, "skip", f"stale: {silence} (resubmit with --retry-stale)")
     if alive:
         return Decision(run, run_dir, "skip", f"job {job['job_id']} still queued or running")
     if alive is None:
@@ -121,6 +156,18 @@ def _decide_one(run: PlannedRun, run_dir: Path, alive: bool | None, retry_failed
     if state is None:
         return Decision(run, run_dir, "submit", "new" if not job else f"job {job['job_id']} ended before training")
     return Decision(run, run_dir, "resume", f"{state} at step {status.get('step')}, no live job")
+
+
+def cancel_job(job: dict) -> None:
+    """Cancel a retried run's job before its replacement starts, so two never write one run dir."""
+    if job.get("executor") == "local":
+        if local_job_alive(job["job_id"]):
+            os.kill(int(job["job_id"]), signal.SIGTERM)
+        return
+    out = subprocess.run(["scancel", str(job["job_id"])], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        reason = (out.stderr.strip().splitlines() or ["no reason given"])[-1]
+        raise RunFailure(f"scancel {job['job_id']} (the retried run's job) failed: {reason}")
 
 
 # ---------------------------------------------------------------- submitting
@@ -211,6 +258,8 @@ def submit(
     for (scale, _, _), group in _groups(todo).items():
         executor = make_executor(kind, folder, cluster, group[0].run.plan.layout, f"{sweep}-{scale}")
         for d in group:
+            if d.cancel:
+                cancel_job(d.cancel)
             _prepare_run_dir(d)
         fns = [TrainJob(d.run.cfg.model_dump(mode="json"), str(d.run_dir), train_fn) for d in group]
         if kind == "slurm":
@@ -222,6 +271,20 @@ def submit(
             records.append(_record(d, kind, job))
             _wait_local(job, d)
     return records
+
+
+def decide_and_submit(
+    runs: list[PlannedRun], root: Path, sweep: str, cluster: ClusterConfig, kind: ExecutorKind, *,
+    dry_run: bool = False, retry_failed: bool = False, retry_stale: bool = False, stale_s: float | None = None,
+    train_fn=None,
+) -> tuple[list[Decision], list[dict]]:
+    """`submit`: decided and submitted under the sweep's lock, so a second submission decides only
+    once the first's jobs are recorded (and finds them queued)."""
+    if dry_run:
+        return decide(runs, root, retry_failed, retry_stale, stale_s), []
+    with sweep_lock(root, sweep):
+        decisions = decide(runs, root, retry_failed, retry_stale, stale_s)
+        return decisions, submit(decisions, cluster, kind, root, sweep, train_fn)
 
 
 def _record(d: Decision, kind: ExecutorKind, job) -> dict:

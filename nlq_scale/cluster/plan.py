@@ -8,6 +8,7 @@ Memory per GPU (the stage that holds the most):
   Recomputation in Large Transformer Models", Table 2) without dropout (our models have none):
   per layer 4sbh replicated (two norm inputs and the two linear-layer inputs; split by t only with
   sequence parallelism) + sb(q + k + v + context + 2 ffn)/t inside the tensor-parallel regions +
+  what the arm's query path adds (Arm.activation_elements) +
   a s^2 b / t attention probabilities unless recompute is selective or full; full recompute keeps only
   each layer's input plus one layer's working set. The first pipeline stage holds min(pp, micro-batches)
   micro-batches in flight (1F1B). The last stage also holds the fp32 logits' softmax and its gradient
@@ -26,11 +27,13 @@ from typing import Iterable, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError
 
+from nlq_scale import arms
+from nlq_scale.arms.base import norm_params
 from nlq_scale.cluster.sweep import RunSpec, SweepConfig, expand
-from nlq_scale.config.load import CONFIG_DIR, available, build_run_config, read_yaml, validation_message
+from nlq_scale.config.load import available, config_file, build_run_config, read_yaml, validation_message
 from nlq_scale.config.schema import ModelConfig, RunConfig, Strict
 from nlq_scale.errors import UsageError
-from nlq_scale.model.accounting import count_parameters, ffn_hidden_size, flops_per_token, query_rank, resolve_model
+from nlq_scale.model.accounting import count_parameters, ffn_hidden_size, flops_per_token, resolve_model
 
 GB = 1024**3
 
@@ -64,15 +67,8 @@ class ClusterConfig(Strict):
         return (self.gpu_memory_gb * self.memory_headroom - self.overhead_gb) * GB
 
 
-def cluster_path(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        return path
-    return CONFIG_DIR / "clusters" / f"{name_or_path}.yaml"
-
-
 def load_cluster(name_or_path: str) -> ClusterConfig:
-    path = cluster_path(name_or_path)
+    path = config_file("clusters", name_or_path)
     if not path.is_file():
         raise UsageError(f"cluster file {path} not found (known: {', '.join(available('clusters'))})")
     try:
@@ -135,7 +131,7 @@ def _stage_params(m: ModelConfig, tp: int, pp: int, ep: int, first: bool, last: 
     if first:
         params += word + (m.seq_length * m.hidden_size if m.position_embedding == "learned_absolute" else 0)
     if last:
-        params += m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)  # final norm
+        params += norm_params(m, m.hidden_size)  # final norm
         if not m.tie_embeddings or not first:  # the output layer, or the tied embedding's copy
             params += word
     return params
@@ -166,11 +162,9 @@ def layer_activation_elements(m: ModelConfig, b: int, tp: int, sp: bool, recompu
     """Elements one transformer layer keeps for backward, per micro-batch of b sequences, per device."""
     s, h, dk = m.seq_length, m.hidden_size, m.head_dim
     a, g = m.num_attention_heads, m.query_groups
-    replicated = 4 * s * b * h
-    if m.arm in ("nonlinear", "preproj"):
-        # RMSNorm output, W1/up output, activation output, W2/down output.
-        replicated += s * b * (2 * h + 2 * query_rank(m))
-    split = s * b * (a * dk + 2 * g * dk + a * dk + 2 * ffn_hidden_size(m))
+    arm_replicated, arm_split = arms.get(m.arm).activation_elements(m, s * b)  # the arm's query path
+    replicated = 4 * s * b * h + arm_replicated
+    split = s * b * (a * dk + 2 * g * dk + a * dk + 2 * ffn_hidden_size(m)) + arm_split
     full = replicated / (tp if sp else 1) + split / tp
     if recompute == "none":
         full += a * s * s * b / tp
@@ -362,11 +356,18 @@ def _unfit(cfg, cluster, run_id, scale, arm, reason) -> RunPlan:
     return _plan(cfg, cluster, run_id, scale, arm, layout, Memory(0, 0, 0, 0), False, reason)
 
 
-def apply_layout(cfg: RunConfig, layout: Layout, run_id: str) -> RunConfig:
-    """The run's config with the planned tp/pp/micro-batch, validated again."""
+def apply_layout(cfg: RunConfig, layout: Layout, run_id: str, cluster: ClusterConfig) -> RunConfig:
+    """The run's config with the planned tp/pp/micro-batch and the cluster's device, validated again.
+    A GPU cluster's runs ask for CUDA (a node without it fails fast instead of training on the CPU)
+    and know the device peak, so they log MFU."""
     raw = cfg.model_dump(mode="json")
     raw["parallel"].update(tp=layout.tp, pp=layout.pp, sequence_parallel=layout.sequence_parallel)
     raw["train"]["micro_batch_size"] = layout.micro_batch_size
+    on_gpu = cluster.device == "gpu"
+    if raw["runtime"]["device"] == "auto":
+        raw["runtime"]["device"] = "cuda" if on_gpu else "cpu"
+    if on_gpu and raw["train"]["device_peak_flops"] is None:
+        raw["train"]["device_peak_flops"] = cluster.peak_tflops * 1e12
     return build_run_config(raw, f"sweep run {run_id}")
 
 
@@ -389,7 +390,7 @@ def plan_sweep(sweep: SweepConfig, cluster: ClusterConfig, cli_overrides: Iterab
         )
         if not plan.fits:
             raise UsageError(f"run {spec.run_id} cannot fit cluster {cluster.name}: {plan.reason}")
-        out.append(PlannedRun(spec, plan, apply_layout(spec.cfg, plan.layout, spec.run_id)))
+        out.append(PlannedRun(spec, plan, apply_layout(spec.cfg, plan.layout, spec.run_id, cluster)))
     return out
 
 

@@ -2,9 +2,12 @@
 
 The state is the train loop's (status.json), corrected by what the scheduler knows: a run whose
 status says running/pending but whose last job (job.json) is no longer queued shows `dead` (the job
-was killed without a word: node failure, OOM, scancel after its grace time); a submitted run that
-never started training and whose job has ended shows `failed` with the job's own error when submitit
-recorded one, else `dead`. `submitted` = queued, no status yet.
+was killed without a word: node failure, OOM, scancel after its grace time); a running run whose
+job is still allocated (or cannot be asked about) but whose heartbeat (status.json `heartbeat_at`,
+written every step) is older than its bound shows `stale` (hung or vanished processes; see
+train/rundir.py STALE_STEPS); a submitted run that never started training and whose job has ended
+shows `failed` with the job's own error when submitit recorded one, else `dead`. `submitted` =
+queued, no status yet.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nlq_scale.cluster.executors import JOB_FILE, job_liveness, read_json
+from nlq_scale.train.rundir import heartbeat_age, is_stale
 
 MARKERS = ("status.json", JOB_FILE, "config.yaml")
 COLUMNS = ("run", "state", "step", "tokens", "val_loss", "job", "nodes", "elapsed", "error")
@@ -49,6 +53,13 @@ def last_val_loss(run_dir: Path) -> float | None:
     return value
 
 
+class _BuiltinsOnly(pickle.Unpickler):
+    """Run dirs are shared: a result file naming any class or function is not read (it could run code)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed")
+
+
 def job_error(job: dict) -> str | None:
     """The error submitit pickled for task 0 of the job, as its last traceback line."""
     if not job.get("folder") or not job.get("job_id"):
@@ -58,8 +69,8 @@ def job_error(job: dict) -> str | None:
     path = JobPaths(job["folder"], job_id=job["job_id"], task_id=0).result_pickle
     try:
         with path.open("rb") as f:
-            outcome, payload = pickle.load(f)
-    except (OSError, pickle.UnpicklingError, ValueError, EOFError):
+            outcome, payload = _BuiltinsOnly(f).load()
+    except (OSError, pickle.UnpicklingError, ValueError, TypeError, EOFError):
         return None
     if outcome != "error":
         return None
@@ -67,7 +78,7 @@ def job_error(job: dict) -> str | None:
     return lines[-1] if lines else "error"
 
 
-def run_row(run_dir: Path, root: Path, alive: bool | None) -> dict[str, Any]:
+def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None = None) -> dict[str, Any]:
     status = read_json(run_dir / "status.json")
     job = read_json(run_dir / JOB_FILE)
     state = status.get("state")
@@ -80,6 +91,8 @@ def run_row(run_dir: Path, root: Path, alive: bool | None) -> dict[str, Any]:
             state = "submitted" if job else "new"
     elif state in ("running", "pending") and alive is False:
         state = "dead"
+    elif is_stale(status, stale_s):
+        state, error = "stale", f"no heartbeat for {heartbeat_age(status):.0f} s"
     name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
     return {
         "run": name,
@@ -94,15 +107,16 @@ def run_row(run_dir: Path, root: Path, alive: bool | None) -> dict[str, Any]:
         "executor": job.get("executor"),
         "num_nodes": status.get("num_nodes"),
         "elapsed_s": status.get("elapsed_s"),
+        "heartbeat_age_s": heartbeat_age(status),
         "error": error,
         "log": job.get("log"),
     }
 
 
-def collect(root: Path) -> list[dict[str, Any]]:
+def collect(root: Path, stale_s: float | None = None) -> list[dict[str, Any]]:
     dirs = find_run_dirs(root)
     alive = job_liveness(dirs)
-    return [run_row(d, root, alive.get(d)) for d in dirs]
+    return [run_row(d, root, alive.get(d), stale_s) for d in dirs]
 
 
 def _cell(row: dict[str, Any], column: str) -> str:

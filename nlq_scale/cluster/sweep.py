@@ -22,7 +22,7 @@ from typing import Any, Iterable, Literal
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
 
 from nlq_scale.config.load import (
-    CONFIG_DIR,
+    config_file,
     available,
     build_run_config,
     compose_raw,
@@ -314,8 +314,5 @@ def check_prepared_data(specs: Iterable[RunSpec]) -> None:
 
 
 def sweep_path(name_or_path: str) -> Path:
-    """A sweep file by path, or by name in configs/sweeps."""
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        return path
-    return CONFIG_DIR / "sweeps" / f"{name_or_path}.yaml"
+    """A sweep file by path, or by name among the sweeps (shipped or in the user's config dirs)."""
+    return config_file("sweeps", name_or_path)

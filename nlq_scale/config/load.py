@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -12,7 +14,17 @@ from pydantic import ValidationError
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+def shipped_dir(what: str) -> Path:
+    """A directory shipped inside the package ("configs": scales, arms, sweeps, clusters; "slurm":
+    the sbatch templates), found the same way from a checkout, an editable install or a wheel."""
+    return Path(str(resources.files("nlq_scale") / what))
+
+
+CONFIG_DIR = shipped_dir("configs")
+# Directories of the user's own scales/arms/sweeps/clusters, searched before the shipped ones
+# (os.pathsep-separated; `nlq-scale --config-dir DIR` sets it for this process and its children).
+CONFIG_PATH_ENV = "NLQ_SCALE_CONFIG_PATH"
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -76,14 +88,34 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+def config_roots() -> list[Path]:
+    """Where named configs are looked up, first match wins: the user's directories, then the shipped."""
+    user = [Path(p) for p in os.environ.get(CONFIG_PATH_ENV, "").split(os.pathsep) if p]
+    return [*user, CONFIG_DIR]
+
+
 def available(kind: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
+    return sorted({p.stem for root in config_roots() for p in (root / kind).glob("*.yaml")})
+
+
+def find_config(kind: str, name: str) -> Path | None:
+    """<root>/<kind>/<name>.yaml in the first config root that has it."""
+    return next((p for root in config_roots() if (p := root / kind / f"{name}.yaml").is_file()), None)
+
+
+def config_file(kind: str, name_or_path: str) -> Path:
+    """A file path as given, or a name looked up in the config roots (the first root's path when
+    unknown, so the caller's "not found" names a real place)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    return find_config(kind, name_or_path) or config_roots()[-1] / kind / f"{name_or_path}.yaml"
 
 
 def named_config(kind: str, name: str) -> dict[str, Any]:
-    """configs/<kind>/<name>.yaml, or a UsageError listing what exists."""
-    path = CONFIG_DIR / kind / f"{name}.yaml"
-    if not path.is_file():
+    """<kind>/<name>.yaml from the config roots, or a UsageError listing what exists."""
+    path = find_config(kind, name)
+    if path is None:
         singular = kind.rstrip("s")
         raise UsageError(f"unknown {singular} {name!r} (known: {', '.join(available(kind))})")
     return read_yaml(path)

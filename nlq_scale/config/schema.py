@@ -1,6 +1,6 @@
 """Typed run configuration. Every part of the harness reads these models, never raw dicts.
 
-Names follow megatron-core where one exists (DESIGN.md lists the keys scripts rely on).
+Names follow megatron-core where one exists (docs/configuration.md lists every key).
 Unknown keys are errors (``extra="forbid"``) so a typo never silently falls back to a default.
 """
 
@@ -8,31 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, create_model, field_validator, model_validator
 
-ARMS = ("linear", "identity", "nonlinear", "preproj")
-Arm = Literal["linear", "identity", "nonlinear", "preproj"]
-Activation = Literal["gelu", "relu", "relu2", "silu"]
+from nlq_scale import arms
+from nlq_scale.strict import Strict
 
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class NonlinearQueryConfig(Strict):
-    """Q(X) = mix * X + (1 - mix) * f(X), f = LN(W2 act(W1 RMSNorm X)); the paper uses mix = 1/2."""
-
-    rank: PositiveInt | None = Field(None, description="width r of W1 (d -> r); default d/2")
-    activation: Activation = Field("gelu", description="nonlinearity between W1 and W2")
-    mix: float = Field(0.5, ge=0.0, le=1.0, description="weight of the X skip; f(X) gets 1 - mix")
-
-
-class PreprojConfig(Strict):
-    """RMSNorm -> x + W_down act(W_up x) before Q/K/V, plus a content skip W_skip after attention."""
-
-    rank: PositiveInt | None = Field(None, description="width of W_up; default d/2")
-    activation: Activation = Field("gelu", description="nonlinearity of the pre-projection MLP")
-    skip_init_std: float = Field(1e-4, ge=0.0, description="W_skip starts near zero")
+ARMS = arms.names()
+ArmName = Literal[ARMS]  # the registered arms (nlq_scale.arms)
+QKNorm = Literal["none", "learned", "rms"]
 
 
 class MoEConfig(Strict):
@@ -41,16 +24,20 @@ class MoEConfig(Strict):
     aux_loss_coeff: float = Field(1e-2, ge=0.0, description="load-balancing loss weight")
 
 
-class ModelConfig(Strict):
-    arm: Arm = Field("linear", description="query variant: linear (X W_Q), identity (X), nonlinear ((X + f(X))/2), preproj")
+class _ModelFields(Strict):
+    """model.*: the shape and the arm; ModelConfig adds each arm's option section (see below)."""
+
+    arm: ArmName = Field(
+        arms.baseline().name, description="query arm: " + "; ".join(f"{a.name}: {a.summary}" for a in arms.all_arms())
+    )
     num_layers: PositiveInt = Field(12, description="transformer layers")
     hidden_size: PositiveInt = Field(768, description="d_model")
     num_attention_heads: PositiveInt = Field(12, description="query heads")
     num_query_groups: PositiveInt | None = Field(None, description="GQA groups; None = one per head")
     kv_channels: PositiveInt | None = Field(None, description="head dim; default hidden/heads")
     mlp_ratio: PositiveFloat = Field(4.0, description="MLP width / hidden size")
-    match_params_of: Arm | None = Field(
-        None, description="linear arm only: solve mlp_ratio so non-embedding params match this arm"
+    match_params_of: ArmName | None = Field(
+        None, description="baseline arm only: solve mlp_ratio so non-embedding params match this arm"
     )
     seq_length: PositiveInt = Field(1024, description="context length (tokens per sequence)")
     vocab_size: PositiveInt = Field(50257, description="tokenizer vocabulary (GPT-2 BPE)")
@@ -60,13 +47,16 @@ class ModelConfig(Strict):
     tie_embeddings: bool = Field(True, description="share input embedding and output layer")
     add_bias_linear: bool = Field(False, description="biases in linear layers (the papers: none)")
     normalization: Literal["LayerNorm", "RMSNorm"] = Field("LayerNorm", description="block norms")
-    qk_norm: bool = Field(False, description="normalise queries and keys per head before attention")
+    norm_bias: bool = Field(True, description="LayerNorms with a bias (false: every LayerNorm without, as nanoGPT bias=False)")
+    qk_norm: QKNorm = Field(
+        "none",
+        description="per-head norm of the final query and key: learned (megatron's q/k LayerNorm), "
+        "rms (parameter-free RMS, eps 1e-6); true/false mean learned/none",
+    )
     init_std: PositiveFloat = Field(0.02, description="weight init std (output layers scaled by 1/sqrt(2L))")
     softmax_scale: PositiveFloat | None = Field(
-        None, description="None = arm default: 1/sqrt(d_k), identity 1/(2 sqrt(d_k))"
+        None, description="None = the arm's default (1/sqrt(d_k); identity 1/(2 sqrt(d_k)))"
     )
-    nlq: NonlinearQueryConfig = NonlinearQueryConfig()
-    preproj: PreprojConfig = PreprojConfig()
     moe: MoEConfig = MoEConfig()
     transformer_impl: Literal["local", "transformer_engine"] = Field(
         "local", description="transformer_engine needs a GPU with TE installed (untested on CPU)"
@@ -86,8 +76,13 @@ class ModelConfig(Strict):
         m = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // m) * m
 
+    @field_validator("qk_norm", mode="before")
+    @classmethod
+    def _qk_norm_bool(cls, v: object) -> object:
+        return {True: "learned", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
     @model_validator(mode="after")
-    def _shapes(self) -> ModelConfig:
+    def _shapes(self) -> _ModelFields:
         if self.num_attention_heads % self.query_groups:
             raise ValueError(
                 f"num_query_groups ({self.query_groups}) must divide num_attention_heads "
@@ -98,16 +93,24 @@ class ModelConfig(Strict):
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_attention_heads}); set kv_channels"
             )
-        if self.arm in ("identity", "nonlinear") and self.num_attention_heads * self.head_dim != self.hidden_size:
-            raise ValueError(
-                f"arm {self.arm} needs query width == hidden_size, got heads*kv_channels = "
-                f"{self.num_attention_heads * self.head_dim} != {self.hidden_size}"
-            )
-        if self.match_params_of is not None and self.arm != "linear":
-            raise ValueError("match_params_of is only for the linear arm (a parameter-matched control)")
+        arms.get(self.arm).check(self)
+        baseline = arms.baseline().name
+        if self.match_params_of is not None and self.arm != baseline:
+            raise ValueError(f"match_params_of is only for the {baseline} arm (a parameter-matched control)")
+        if not self.norm_bias and self.transformer_impl != "local":
+            raise ValueError("norm_bias=false needs transformer_impl=local (TE fuses its biased LayerNorm)")
         if self.moe.num_experts is not None and self.add_bias_linear:
             raise ValueError("moe with add_bias_linear=true is unsupported (megatron in-place add on a view)")
         return self
+
+
+# The arms' option sections (model.nlq, model.preproj, ...) come from the registry.
+ModelConfig = create_model(
+    "ModelConfig",
+    __base__=_ModelFields,
+    __module__=__name__,
+    **{a.options_key: (a.options, a.options()) for a in arms.all_arms() if a.options is not None},
+)
 
 
 class ParallelConfig(Strict):
@@ -185,7 +188,8 @@ class TrainConfig(Strict):
 
 class CheckpointConfig(Strict):
     every: int = Field(0, ge=0, description="save every N steps (0 = only at the end and on signals)")
-    keep: PositiveInt = Field(2, description="complete checkpoints kept")
+    keep: PositiveInt = Field(2, description="newest complete checkpoints kept")
+    keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of this (0 = none)")
 
 
 class LoggingConfig(Strict):
@@ -194,6 +198,17 @@ class LoggingConfig(Strict):
     wandb_project: str = Field("nlq-scale", description="W&B project")
     wandb_entity: str | None = Field(None, description="W&B entity (team or user)")
     tags: list[str] = Field([], description="extra W&B tags (arm, scale, seed, lr are added)")
+
+
+class RuntimeConfig(Strict):
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="compute device: cuda:LOCAL_RANK + NCCL, or cpu + gloo; auto = CUDA when available"
+    )
+    check_device: bool = Field(
+        False,
+        description="CPU only: treat tensors made without an explicit device as host tensors and fail on any "
+        "host/device mix or host tensor in a collective, as CUDA would (a placement check for CI)",
+    )
 
 
 class RunConfig(Strict):
@@ -210,6 +225,7 @@ class RunConfig(Strict):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="after")
     def _layout(self) -> RunConfig:
@@ -222,11 +238,13 @@ class RunConfig(Strict):
             raise ValueError(f"num_layers ({m.num_layers}) not divisible by parallel.pp ({p.pp})")
         if p.ep > 1 and (m.moe.num_experts is None or m.moe.num_experts % p.ep):
             raise ValueError(f"parallel.ep ({p.ep}) must divide model.moe.num_experts ({m.moe.num_experts})")
-        if p.sequence_parallel and (p.tp == 1 or m.arm != "linear"):
+        if p.sequence_parallel and (p.tp == 1 or not arms.get(m.arm).sequence_parallel):
             raise ValueError(
-                "parallel.sequence_parallel needs tp > 1 and the linear arm (the query arms' norms over the "
-                "full hidden vector are not sequence-parallel yet)"
+                f"parallel.sequence_parallel needs tp > 1 and an arm that supports it (not {m.arm}: norms over "
+                "the full hidden vector in its query path are not sequence-parallel)"
             )
+        if self.runtime.check_device and self.runtime.device == "cuda":
+            raise ValueError("runtime.check_device emulates a GPU on the CPU: it needs runtime.device cpu or auto")
         if self.train.engine == "deepspeed" and p.pp > 1:
             raise ValueError("train.engine=deepspeed supports parallel.pp=1 only (use the megatron engine for PP)")
         if self.train.global_batch_size % self.train.micro_batch_size:

@@ -38,15 +38,28 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     what.add_argument("--input", nargs="+", metavar="PATH", help="input files or directories (read in sorted order)")
     what.add_argument("--sample", action="store_true",
                       help="use the built-in sample corpus (Pile-format .jsonl.zst of Python/NumPy/Matplotlib docs)")
+    what.add_argument("--merge", type=Path, metavar="DIR",
+                      help="join the parts in DIR.parts/ (from --part I/N) into the dataset DIR")
     p.add_argument("--source", choices=SOURCES, help="input format (implied 'pile' with --sample)")
-    p.add_argument("--out", required=True, type=Path, metavar="DIR", help="output dataset directory")
+    p.add_argument("--out", type=Path, metavar="DIR", help="output dataset directory (required unless --merge)")
+    parallel = p.add_mutually_exclusive_group()
+    parallel.add_argument("--part", metavar="I/N",
+                          help="prepare only part I of N (the inputs cut into N consecutive stretches) into DIR.parts/")
+    parallel.add_argument("--parts", type=int, metavar="N",
+                          help="with --executor: run all N parts (then the merge) on SLURM or on this machine")
+    p.add_argument("--executor", choices=("slurm", "local"),
+                   help="where --parts run: slurm (a job array and a dependent merge job, through submitit) "
+                   "or local (N processes here sharing --workers, then the merge)")
+    p.add_argument("--cluster", help="with --executor: cluster file or name in configs/clusters (e.g. local-slurm)")
+    p.add_argument("--keep-parts", action="store_true", help="--merge: keep DIR.parts/ after merging")
     p.add_argument("--seq-len", type=int, default=1024, help="model sequence length; windows hold seq_len+1 tokens")
     val = p.add_mutually_exclusive_group()
     val.add_argument("--val-docs", type=int, metavar="N", help="validation split = the N documents with the smallest text hash")
     val.add_argument("--val-fraction", type=float, metavar="F",
                      help="validation split = documents whose text hash falls in the first F of the hash space "
                      f"(default 0.0005; {SAMPLE_VAL_FRACTION} with --sample)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads (default: all cores)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenizer threads, or --merge's shard-writing processes (default: all cores)")
     p.add_argument("--force", action="store_true", help="replace an existing, different dataset in DIR")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip (and count in the manifest) bad documents: invalid JSON, non-UTF-8, empty, truncated files")
@@ -88,11 +101,53 @@ def _options(args: argparse.Namespace, inputs: list[Path], source: str):
         raise UsageError(f"{name}: {err['msg']}") from None
 
 
-def run_prepare(args: argparse.Namespace) -> int:
-    from nlq_scale.cli import emit_json
+def _check_parallel(args: argparse.Namespace) -> None:
+    if args.merge is not None:
+        if args.out is not None or args.part or args.parts:
+            raise UsageError("--merge DIR: takes everything from the parts; give no --out, --part or --parts")
+        return
+    if args.out is None:
+        raise UsageError("--out is required with --input or --sample")
+    if (args.parts is None) != (args.executor is None):
+        raise UsageError("--parts N and --executor go together (run one part here with --part I/N)")
+    if args.executor == "slurm" and args.cluster is None:
+        raise UsageError("--executor slurm: --cluster CLUSTER is required (a file or a name in configs/clusters)")
+    if args.parts is not None and args.parts < 1:
+        raise UsageError(f"--parts {args.parts}: must be at least 1")
+    if args.executor == "slurm" and args.sample:
+        raise UsageError("--sample with --executor slurm: the sample corpus lives only as long as this process; "
+                         "write it with nlq_scale.data.sample.sample_corpus and pass --input")
+
+
+def _run(args: argparse.Namespace, opts) -> dict:
+    """Prepare the whole dataset here, one part of it, or submit the parts and their merge."""
+    if args.part:
+        from nlq_scale.data.parts import parse_part, prepare_part
+
+        return prepare_part(opts, *parse_part(args.part), progress=not args.no_progress)
+    if args.executor == "local":
+        from nlq_scale.data.submit import run_locally
+
+        return run_locally(opts, args.parts, keep_parts=args.keep_parts)
+    if args.executor == "slurm":
+        from nlq_scale.data.submit import submit_parts
+
+        return submit_parts(opts, args.parts, args.cluster, keep_parts=args.keep_parts)
     from nlq_scale.data.prepare import prepare
 
-    if args.sample:
+    return prepare(opts, progress=not args.no_progress)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from nlq_scale.cli import emit_json
+
+    _check_parallel(args)
+    if args.merge is not None:
+        from nlq_scale.data.parts import merge_parts
+
+        summary = merge_parts(args.merge, force=args.force, keep_parts=args.keep_parts, progress=not args.no_progress,
+                              workers=args.workers)
+    elif args.sample:
         if args.source not in (None, "pile"):
             raise UsageError("--sample is a Pile-format corpus: use --source pile or leave --source out")
         if args.val_docs is None and args.val_fraction is None:
@@ -101,22 +156,31 @@ def run_prepare(args: argparse.Namespace) -> int:
     else:
         if args.source is None:
             raise UsageError("--source is required with --input")
-        summary = prepare(_options(args, [Path(p) for p in args.input], args.source), progress=not args.no_progress)
+        summary = _run(args, _options(args, [Path(p) for p in args.input], args.source))
     if args.json:
         emit_json(summary)
     else:
-        counts = ", ".join(f"{s}: {v['sequences']} sequences / {v['tokens']} tokens" for s, v in summary["splits"].items())
-        print(f"{summary['out']}: {summary['outcome']} ({counts}; skipped {summary['skipped']})")
+        print(_describe(summary))
     return 0
 
 
+def _describe(summary: dict) -> str:
+    if "splits" in summary:
+        counts = ", ".join(f"{s}: {v['sequences']} sequences / {v['tokens']} tokens" for s, v in summary["splits"].items())
+        return f"{summary['out']}: {summary['outcome']} ({counts}; skipped {summary['skipped']})"
+    if "part" in summary:
+        return (f"{summary['out']}: part {summary['part']} {summary['outcome']} ({summary['documents']} documents / "
+                f"{summary['tokens']} tokens; skipped {summary['skipped']})")
+    return (f"{summary['out']}: {summary['parts']} parts submitted as job array {summary['parts_job']}, "
+            f"merge as job {summary['merge_job']} (logs: {summary['logs']})")
+
+
 def _prepare_sample(args: argparse.Namespace) -> dict:
-    from nlq_scale.data.prepare import prepare
     from nlq_scale.data.sample import sample_corpus
 
     src = args.out.parent / f".{args.out.name}.sample-src-{os.getpid()}"
     try:
         inputs = sample_corpus(src)
-        return prepare(_options(args, inputs, "pile"), progress=not args.no_progress)
+        return _run(args, _options(args, inputs, "pile"))
     finally:
         shutil.rmtree(src, ignore_errors=True)

@@ -281,16 +281,18 @@ def sequence_digests(batch: torch.Tensor) -> np.ndarray:
     ])
 
 
-def batch_digest(rank_batch: torch.Tensor, group: Any = None) -> str:
+def batch_digest(rank_batch: torch.Tensor, group: Any = None, device: Any = None) -> str:
     """Hash of the global batch: every rank's per-sequence digests, gathered over `group` (None:
     the default group, or this process alone without torch.distributed), sorted, hashed. So it does
-    not depend on the data-parallel size or on the order of sequences."""
+    not depend on the data-parallel size or on the order of sequences. The gather runs on `device`
+    (the runtime's Device; NCCL takes device tensors only)."""
     import torch.distributed as dist
 
     digests = torch.from_numpy(sequence_digests(rank_batch))
     if dist.is_available() and dist.is_initialized():
-        gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, digests, group=group)
-        digests = torch.cat(gathered)
+        local = device.put(digests) if device is not None else digests
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        digests = torch.cat(gathered).cpu()
     ordered = sorted(bytes(row) for row in digests.numpy())
     return hashlib.blake2b(b"".join(ordered), digest_size=DIGEST_BYTES).hexdigest()

@@ -32,7 +32,9 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from nlq_scale.data.sources import Bad, Document, Filtered, InputFile, Source, SourceSpec, expand_inputs
+from nlq_scale.data.sources import (
+    Bad, Document, Filtered, InputFile, Record, Source, SourceSpec, expand_inputs,
+)
 from nlq_scale.data.tokenizer import Tokenizer, gpt2_tokenizer
 from nlq_scale.errors import UsageError
 
@@ -158,6 +160,11 @@ def doc_key(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
 
 
+def val_threshold(rule: dict) -> int:
+    """With a `fraction` rule: a document goes to val iff its key is below this."""
+    return int(rule.get("fraction", 0.0) * HASH_SPACE)
+
+
 class Splitter:
     """Routes each document to val or train. `fraction`: val iff key < fraction * 2^64.
     `docs`: val = the N documents with the smallest keys (held in memory until the end; a document
@@ -166,7 +173,7 @@ class Splitter:
     def __init__(self, rule: dict, train: Packer, val: Packer) -> None:
         self.train, self.val = train, val
         self.quota = rule.get("docs")
-        self.threshold = int(rule.get("fraction", 0.0) * HASH_SPACE)
+        self.threshold = val_threshold(rule)
         self._heap: list[tuple[int, int, np.ndarray]] = []  # (-key, -index, tokens): max-heap
         self._index = 0
 
@@ -206,6 +213,15 @@ class Skips:
         if len(self.listed) < SKIPPED_LISTED:
             self.listed.append({"where": record.where, "kind": record.kind, "detail": record.detail})
 
+    def state(self) -> dict:
+        return {"by_kind": dict(self.by_kind), "listed": self.listed, "filtered": dict(self.filtered)}
+
+    def add(self, state: dict) -> None:
+        """The counts of the next stretch of the inputs (a part's `state()`) after these."""
+        self.by_kind.update(state["by_kind"])
+        self.filtered.update(state["filtered"])
+        self.listed += state["listed"][: SKIPPED_LISTED - len(self.listed)]
+
     def describe(self) -> dict:
         total = sum(self.by_kind.values())
         return {
@@ -214,15 +230,45 @@ class Skips:
         }
 
 
-def _documents(files: list[InputFile], skips: Skips) -> Iterator[str]:
-    for f in files:
+@dataclass(frozen=True)
+class Span:
+    """A stretch of the inputs laid end to end on one byte line (each file's bytes after the
+    previous file's; an empty file counts 1 byte): the records whose position lies in
+    [start, end). A record's position is its file's offset plus how far the reader had got into
+    the file when it yielded the record (minus one), so the spans of `--part 1/N ... N/N` cut the
+    record stream into N consecutive pieces, inside files too."""
+
+    start: int
+    end: int
+
+
+def file_offsets(files: list[InputFile]) -> list[int]:
+    """Each file's first position on the byte line, then the line's end."""
+    return [0, *np.cumsum([max(f.size, 1) for f in files]).tolist()]
+
+
+def _records(files: list[InputFile], span: Span | None) -> Iterator[Record]:
+    offsets = file_offsets(files)
+    for f, first, end in zip(files, offsets, offsets[1:]):
+        if span is not None and (end <= span.start or first >= span.end):
+            continue
+        f.start = 0 if span is None else max(span.start - first, 0)
         for record in f:
-            if isinstance(record, Document):
-                yield record.text
-            elif isinstance(record, Filtered):
-                skips.filtered[record.group] += 1
-            else:
-                skips.bad(record)
+            position = first + f.position
+            if span is not None and position >= span.end:
+                break  # the rest belongs to later parts: the file is closed unread from here
+            if span is None or position >= span.start:
+                yield record
+
+
+def _documents(files: list[InputFile], skips: Skips, span: Span | None = None) -> Iterator[str]:
+    for record in _records(files, span):
+        if isinstance(record, Document):
+            yield record.text
+        elif isinstance(record, Filtered):
+            skips.filtered[record.group] += 1
+        else:
+            skips.bad(record)
 
 
 def _chunks(texts: Iterator[str]) -> Iterator[list[str]]:
@@ -288,7 +334,11 @@ def _inputs_brief(manifest: dict) -> list[tuple[str, int]]:
     return [(i["name"], i["bytes"]) for i in manifest.get("inputs", [])]
 
 
-def check_out_dir(opts: PrepareOptions, files: list[Path]) -> None:
+def planned_inputs(files: list[InputFile]) -> list[tuple[str, int]]:
+    return [(f.path.name, f.size) for f in files]
+
+
+def check_out_dir(opts: PrepareOptions, planned: list[tuple[str, int]]) -> None:
     """Refuse early to replace something that is not a prepared dataset, or (without --force) a
     dataset made from other inputs or options."""
     out = opts.out
@@ -307,7 +357,6 @@ def check_out_dir(opts: PrepareOptions, files: list[Path]) -> None:
         existing = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"{manifest_path}: unreadable ({e}); pass --force to replace the dataset") from None
-    planned = [(f.name, f.stat().st_size) for f in files]
     if existing.get("options") != opts.recorded() or _inputs_brief(existing) != planned:
         raise UsageError(f"--out {out}: holds a different prepared dataset; pass --force to replace it")
 
@@ -346,50 +395,55 @@ def _shard_list(split_dir: Path, split: str) -> list[dict]:
     return shards
 
 
-def _progress(enabled: bool):
+def counted(documents: Iterable[tuple[int, np.ndarray]], progress: bool) -> Iterator[tuple[int, np.ndarray]]:
+    """The tokenized documents passed through, behind a progress bar (documents, tokens/s)."""
     from tqdm import tqdm
 
-    return tqdm(unit=" docs", unit_scale=True, disable=not enabled, desc="prepare-data", mininterval=1.0)
-
-
-def _write_splits(opts: PrepareOptions, files: list[InputFile], staging: Path, tokenizer: Tokenizer,
-                  skips: Skips, progress: bool) -> dict[str, SplitStats]:
-    from streaming import MDSWriter
-
-    columns = {"tokens": f"ndarray:uint16:{opts.window}"}
-    compression = None if opts.compression == "none" else opts.compression
-    writers = {
-        split: MDSWriter(out=str(staging / split), columns=columns, compression=compression,
-                         hashes=["xxh64"], size_limit=opts.shard_bytes)
-        for split in SPLITS
-    }
-    packers = {split: Packer(opts.window, lambda w, s=split: writers[s].write({"tokens": w})) for split in SPLITS}
-    splitter = Splitter(opts.val_rule, packers["train"], packers["val"])
     started = time.perf_counter()
     tokens = 0
-    with _progress(progress) as bar:
-        for key, ids in tokenized(_documents(files, skips), tokenizer, opts.workers):
-            splitter.add(key, ids)
+    with tqdm(unit=" docs", unit_scale=True, disable=not progress, desc="prepare-data", mininterval=1.0) as bar:
+        for key, ids in documents:
+            yield key, ids
             tokens += len(ids)
             bar.update(1)
             if bar.n % CHUNK_DOCS == 0:
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s", refresh=False)
+
+
+def mds_writer(opts: PrepareOptions, out: Path):
+    from streaming import MDSWriter
+
+    compression = None if opts.compression == "none" else opts.compression
+    return MDSWriter(out=str(out), columns={"tokens": f"ndarray:uint16:{opts.window}"}, compression=compression,
+                     hashes=["xxh64"], size_limit=opts.shard_bytes)
+
+
+def write_splits(opts: PrepareOptions, documents: Iterable[tuple[int, np.ndarray]], staging: Path) -> dict[str, SplitStats]:
+    """Route, pack and write `documents` ((key, tokens) in input order) into staging/{train,val}."""
+    writers = {split: mds_writer(opts, staging / split) for split in SPLITS}
+    packers = {split: Packer(opts.window, lambda w, s=split: writers[s].write({"tokens": w})) for split in SPLITS}
+    splitter = Splitter(opts.val_rule, packers["train"], packers["val"])
+    for key, ids in documents:
+        splitter.add(key, ids)
     splitter.finish()
     for writer in writers.values():
         writer.finish()
     return {split: packers[split].finish() for split in SPLITS}
 
 
-def prepare(opts: PrepareOptions, *, progress: bool = True) -> dict:
-    """Prepare the dataset; returns a summary (the manifest's counts plus what happened to DIR)."""
-    paths = expand_inputs(opts.source, opts.inputs)
-    check_out_dir(opts, paths)
-    tokenizer = gpt2_tokenizer()
-    files = [InputFile(p, opts.spec()) for p in paths]
-    skips = Skips(opts.skip_bad)
+def input_entry(f: InputFile) -> dict:
+    """The manifest's record of an input; its digest exists once the file was read to its end."""
+    return {"name": f.path.name, "bytes": f.digest.bytes, "sha256": f.digest.sha256}
+
+
+def build_dataset(opts: PrepareOptions, write: Callable[[Path], dict[str, SplitStats]],
+                  inputs: Callable[[], list[dict]], skips: Skips, tokenizer: dict) -> dict:
+    """`write` the splits into a staging directory, add the manifest and put the dataset in place;
+    `inputs` and `skips` are read once the splits are written. Returns a summary: the manifest's
+    counts and what happened to DIR."""
     staging = _staging_dir(opts.out)
     try:
-        stats = _write_splits(opts, files, staging, tokenizer, skips, progress)
+        stats = write(staging)
         if stats["train"].sequences == 0:
             raise UsageError(
                 f"--input: no training sequence: {stats['train'].tokens} train tokens is less than "
@@ -398,8 +452,8 @@ def prepare(opts: PrepareOptions, *, progress: bool = True) -> dict:
         manifest = {
             "format": FORMAT,
             "options": opts.recorded(),
-            "tokenizer": tokenizer.describe(),
-            "inputs": [{"name": f.path.name, "bytes": f.digest.bytes, "sha256": f.digest.sha256} for f in files],
+            "tokenizer": tokenizer,
+            "inputs": inputs(),
             "splits": {
                 split: {**vars(stats[split]), "shards": _shard_list(staging / split, split)} for split in SPLITS
             },
@@ -418,3 +472,18 @@ def prepare(opts: PrepareOptions, *, progress: bool = True) -> dict:
         "skipped": manifest["skipped"]["count"],
         "filtered": manifest["filtered"]["count"],
     }
+
+
+def input_files(opts: PrepareOptions) -> list[InputFile]:
+    return [InputFile(p, opts.spec()) for p in expand_inputs(opts.source, opts.inputs)]
+
+
+def prepare(opts: PrepareOptions, *, progress: bool = True) -> dict:
+    """Prepare the dataset in this process; returns build_dataset's summary."""
+    files = input_files(opts)
+    check_out_dir(opts, planned_inputs(files))
+    tokenizer = gpt2_tokenizer()
+    skips = Skips(opts.skip_bad)
+    documents = counted(tokenized(_documents(files, skips), tokenizer, opts.workers), progress)
+    return build_dataset(opts, lambda staging: write_splits(opts, documents, staging),
+                         lambda: [input_entry(f) for f in files], skips, tokenizer.describe())

@@ -22,7 +22,7 @@ import json
 import lzma
 import tarfile
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal
@@ -38,7 +38,8 @@ SUFFIXES: dict[str, tuple[str, ...]] = {
     "jsonl": (".jsonl", ".jsonl.zst"),
 }
 NESTED_ARCHIVE_SUFFIXES = (".xz", ".tar", ".tgz", ".gz")
-READ_BYTES = 1 << 20
+# Also the grain of a record's position in a file (InputFile.consumed), by which --part splits one file.
+READ_BYTES = 1 << 18
 # The Pile was compressed with long-distance matching: windows up to 2 GiB.
 ZSTD_MAX_WINDOW = 2**31
 PARQUET_BATCH_ROWS = 1024
@@ -63,7 +64,13 @@ class Filtered:
     group: str
 
 
-Record = Document | Bad | Filtered
+@dataclass(frozen=True)
+class Unread:
+    """A JSON line before `InputFile.start`: another part's, so not even parsed."""
+
+
+UNREAD = Unread()
+Record = Document | Bad | Filtered | Unread
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,10 @@ class HashingReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    @property
+    def bytes_read(self) -> int:
+        return self._bytes
+
     def readinto(self, buffer) -> int:  # type: ignore[override]
         n = self._raw.readinto(buffer)
         if n:
@@ -130,10 +141,17 @@ class HashingReader(io.RawIOBase):
         return FileDigest(self._bytes, self._sha.hexdigest())
 
 
-def file_digest(path: Path) -> FileDigest:
+def sha256_file(path: Path) -> str:
+    """hashlib.file_digest is Python 3.11+; the package supports 3.10."""
+    sha = hashlib.sha256()
     with path.open("rb") as f:
-        sha = hashlib.file_digest(f, "sha256").hexdigest()
-    return FileDigest(path.stat().st_size, sha)
+        for chunk in iter(lambda: f.read(READ_BYTES), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def file_digest(path: Path) -> FileDigest:
+    return FileDigest(path.stat().st_size, sha256_file(path))
 
 
 def _text_record(text: str, where: str) -> Record:
@@ -264,7 +282,7 @@ def _json_record(line: bytes, where: str, spec: SourceSpec) -> Record:
     return _text_record(value, where)
 
 
-def _jsonl_records(raw: BinaryIO, path: Path, spec: SourceSpec) -> Iterator[Record]:
+def _jsonl_records(raw: BinaryIO, path: Path, spec: SourceSpec, wanted: Callable[[], bool]) -> Iterator[Record]:
     import zstandard
 
     chunks = _zstd_chunks(raw) if path.name.endswith(".zst") else _plain_chunks(raw)
@@ -272,7 +290,7 @@ def _jsonl_records(raw: BinaryIO, path: Path, spec: SourceSpec) -> Iterator[Reco
     try:
         for number, line in enumerate(_lines(chunks), start=1):
             if line.strip():
-                yield _json_record(line, f"{path}:{number}", spec)
+                yield _json_record(line, f"{path}:{number}", spec) if wanted() else UNREAD
     except TruncatedStream as e:
         yield Bad(f"{path}:{number + 1}", "truncated", f"{e} (truncated file?)")
     except zstandard.ZstdError as e:
@@ -309,25 +327,56 @@ def _parquet_records(path: Path, spec: SourceSpec) -> Iterator[Record]:
         yield Bad(f"{path}:row {row}", "truncated", f"truncated or corrupt parquet ({e})")
 
 
+def _parquet_rows(path: Path) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError):
+        return 0  # _parquet_records reports the file as corrupt
+
+
 class InputFile:
     """One input: iterate it for its records; afterwards `digest` holds its size and sha256."""
 
     def __init__(self, path: Path, spec: SourceSpec) -> None:
         self.path = path
         self.spec = spec
+        self.size = path.stat().st_size
         self.digest: FileDigest | None = None
+        self.start = 0
+        self._consumed = lambda: 0
+
+    @property
+    def consumed(self) -> int:
+        """How far into the file the reader has got, in bytes of the file: the bytes read so far,
+        or for parquet the share of the rows read. It depends on the file alone, so processes
+        reading the same file agree on where each record lies (`prepare-data --part`)."""
+        return self._consumed()
+
+    @property
+    def position(self) -> int:
+        """Where in the file the record just yielded lies, in [0, size): consumed - 1. JSON lines
+        before `start` (another part's) are yielded as UNREAD, without parsing."""
+        return max(self.consumed - 1, 0)
 
     def __iter__(self) -> Iterator[Record]:
         if self.path.name.endswith(".parquet"):
-            yield from _parquet_records(self.path, self.spec)
+            rows, done = _parquet_rows(self.path), 0
+            self._consumed = lambda: self.size * done // rows if rows and done < rows else self.size
+            for record in _parquet_records(self.path, self.spec):
+                done += 1
+                yield record
             self.digest = file_digest(self.path)
             return
         with self.path.open("rb", buffering=0) as fh:
             raw = HashingReader(fh)
+            self._consumed = lambda: raw.bytes_read
             if self.path.name.endswith(".txt"):
                 yield _decode(raw.read(), str(self.path))
             elif ".jsonl" in self.path.name:
-                yield from _jsonl_records(raw, self.path, self.spec)
+                yield from _jsonl_records(raw, self.path, self.spec, lambda: self.position >= self.start)
             else:
                 yield from _tar_records(raw, str(self.path))
             self.digest = raw.drain()

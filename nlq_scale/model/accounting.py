@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nlq_scale import arms
+from nlq_scale.arms.base import linear_params, norm_params
 from nlq_scale.config.schema import ModelConfig
 
 
@@ -19,60 +21,19 @@ def ffn_hidden_size(m: ModelConfig) -> int:
     return int(round(m.mlp_ratio * m.hidden_size))
 
 
-def query_rank(m: ModelConfig) -> int:
-    """Width r of the query MLP (nonlinear) or pre-projection MLP (preproj); default d/2."""
-    sub = m.preproj if m.arm == "preproj" else m.nlq
-    return sub.rank or m.hidden_size // 2
-
-
-def _norm(m: ModelConfig, width: int, kind: str | None = None) -> int:
-    kind = kind or m.normalization
-    return width * (2 if kind == "LayerNorm" else 1)
-
-
-def _linear(m: ModelConfig, fan_in: int, fan_out: int) -> int:
-    return fan_in * fan_out + (fan_out if m.add_bias_linear else 0)
-
-
-def query_path_params(m: ModelConfig) -> dict[str, int]:
-    """Parameters that differ between arms, per layer, by component name."""
-    d, q_width = m.hidden_size, m.num_attention_heads * m.head_dim
-    r = query_rank(m)
-    if m.arm == "linear":
-        return {"linear_q": _linear(m, d, q_width)}
-    if m.arm == "identity":
-        return {}
-    if m.arm == "nonlinear":
-        # RMSNorm (d) -> W1 (d -> r) -> act -> W2 (r -> d) -> LayerNorm (2d): +3d vs linear at r = d/2.
-        return {
-            "nlq_rmsnorm": _norm(m, d, "RMSNorm"),
-            "nlq_w1": _linear(m, d, r),
-            "nlq_w2": _linear(m, r, d),
-            "nlq_layernorm": _norm(m, d, "LayerNorm"),
-        }
-    # preproj: the linear Q stays; a residual MLP feeds Q/K/V and a content skip joins after attention.
-    return {
-        "linear_q": _linear(m, d, q_width),
-        "preproj_norm": _norm(m, d, "RMSNorm"),
-        "preproj_up": _linear(m, d, r),
-        "preproj_down": _linear(m, r, d),
-        "preproj_skip": _linear(m, d, d),
-    }
-
-
 def layer_params(m: ModelConfig) -> dict[str, int]:
     d, dk = m.hidden_size, m.head_dim
     q_width, kv_width = m.num_attention_heads * dk, 2 * m.query_groups * dk
     ffn = ffn_hidden_size(m)
-    parts = {"input_layernorm": _norm(m, d)}
-    parts |= query_path_params(m)
-    parts["linear_kv"] = _linear(m, d, kv_width)
-    if m.qk_norm:
-        parts["qk_norm"] = 2 * _norm(m, dk)
-    parts["linear_proj"] = _linear(m, q_width, d)
-    parts["pre_mlp_layernorm"] = _norm(m, d)
+    parts = {"input_layernorm": norm_params(m, d)}
+    parts |= arms.get(m.arm).query_params(m)
+    parts["linear_kv"] = linear_params(m, d, kv_width)
+    if m.qk_norm == "learned":
+        parts["qk_norm"] = 2 * norm_params(m, dk)
+    parts["linear_proj"] = linear_params(m, q_width, d)
+    parts["pre_mlp_layernorm"] = norm_params(m, d)
     experts = m.moe.num_experts or 1
-    parts["mlp"] = experts * (_linear(m, d, ffn) + _linear(m, ffn, d))
+    parts["mlp"] = experts * (linear_params(m, d, ffn) + linear_params(m, ffn, d))
     if m.moe.num_experts:
         parts["router"] = d * m.moe.num_experts
     return parts
@@ -100,7 +61,7 @@ def count_parameters(m: ModelConfig) -> ParamCount:
     m = resolve_model(m)
     d, vocab = m.hidden_size, m.padded_vocab_size
     per_layer = layer_params(m)
-    blocks = m.num_layers * sum(per_layer.values()) + _norm(m, d)  # + final layernorm
+    blocks = m.num_layers * sum(per_layer.values()) + norm_params(m, d)  # + final layernorm
     embedding = vocab * d
     if m.position_embedding == "learned_absolute":
         embedding += m.seq_length * d
@@ -116,10 +77,13 @@ def count_parameters(m: ModelConfig) -> ParamCount:
 def flops_per_token(m: ModelConfig) -> int:
     """Training FLOPs per token (forward + backward)."""
     m = resolve_model(m)
+    arm = arms.get(m.arm)
     counts = count_parameters(m)
-    matmul = counts.active_non_embedding + m.padded_vocab_size * m.hidden_size
+    # 6 x every parameter outside the query path (it prices its own), + the logit projection.
+    rest = counts.active_non_embedding - m.num_layers * sum(arm.query_params(m).values())
+    matmul = 6 * (rest + m.padded_vocab_size * m.hidden_size) + m.num_layers * arm.query_flops(m)
     attention = 12 * m.num_layers * m.seq_length * m.num_attention_heads * m.head_dim
-    return 6 * matmul + attention
+    return matmul + attention
 
 
 def resolve_model(m: ModelConfig) -> ModelConfig:

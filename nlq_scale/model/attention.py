@@ -1,10 +1,8 @@
-"""Attention layers for the query arms, built by subclassing megatron-core's attention so that RoPE,
-core attention, the output projection and the inference KV cache stay megatron's own.
-
-- QueryVariantAttention (identity, nonlinear): K/V from a KV-only column-parallel projection of
-  width 2 * d_kv, laid out per query group as [k_g | v_g]; Q from the arm's query module.
-- PreprojAttention (preproj): megatron's SelfAttention on a pre-projected input, plus a content
-  skip added to its output.
+"""The attention of arms with their own query module (`Arm.fused_qkv = False`), built by
+subclassing megatron-core's attention so that RoPE, core attention, the output projection and the
+inference KV cache stay megatron's own: K/V from a KV-only column-parallel projection of width
+2 * d_kv, laid out per query group as [k_g | v_g]; Q from the arm's query module, then the q/k norms
+(model.qk_norm) on the final per-head query and key.
 """
 
 from __future__ import annotations
@@ -13,15 +11,11 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-from megatron.core.tensor_parallel import RowParallelLinear
-from megatron.core.transformer.attention import Attention, SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import init_method_normal
 from torch import Tensor
-
-from nlq_scale.model.query import ParallelMLP
 
 
 @dataclass
@@ -98,29 +92,18 @@ class QueryVariantAttention(Attention):
         return query, key, value
 
 
-@dataclass
-class PreprojSubmodules(SelfAttentionSubmodules):
-    rank: int = 0
-    activation: str = "gelu"
-    skip_init_std: float = 1e-4
-
-
-class PreprojAttention(SelfAttention):
-    """x' = x + W_down act(W_up RMSNorm(x)) feeds Q/K/V; W_skip x' (init near zero) joins the output."""
-
-    def __init__(self, config: TransformerConfig, submodules: PreprojSubmodules, layer_number: int, **kwargs) -> None:
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
-        d, tp_group = config.hidden_size, self.pg_collection.tp
-        self.pre_norm = torch.nn.RMSNorm(d, eps=config.layernorm_epsilon, dtype=config.params_dtype)
-        self.pre = ParallelMLP(config, submodules.rank, submodules.activation, tp_group)
-        self.w_skip = RowParallelLinear(
-            d, d, config=config, init_method=init_method_normal(submodules.skip_init_std),
-            bias=config.add_bias_linear, input_is_parallel=False, skip_bias_add=False, is_expert=False,
-            tp_group=tp_group,
-        )
-
-    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        content = hidden_states + self.pre(self.pre_norm(hidden_states))
-        output, bias = super().forward(content, *args, **kwargs)
-        skip, _ = self.w_skip(content)
-        return output + skip, bias
+def query_variant_attention(stock: ModuleSpec, query: ModuleSpec, column_linear: type) -> ModuleSpec:
+    """The stock self_attention spec with its fused QKV replaced by `query` + a KV-only projection."""
+    sub = stock.submodules
+    return ModuleSpec(
+        module=QueryVariantAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=QueryVariantSubmodules(
+            query=query,
+            linear_kv=column_linear,
+            core_attention=sub.core_attention,
+            linear_proj=sub.linear_proj,
+            q_layernorm=sub.q_layernorm,
+            k_layernorm=sub.k_layernorm,
+        ),
+    )

@@ -1,48 +1,40 @@
 """The megatron-core GPT for a run config: TransformerConfig, the arm's layer spec, and the model.
 
-The arm changes exactly one submodule of megatron's stock layer spec (`self_attention`), the
-ModuleSpec way; the linear arm *is* megatron's stock spec. The local spec is the CPU path; the
-Transformer Engine spec is selectable for GPUs (not exercised on CPU).
+The arm (nlq_scale.arms) changes exactly one submodule of megatron's stock layer spec
+(`self_attention`), the ModuleSpec way; the baseline linear arm *is* megatron's stock spec. The
+local spec is the CPU path; the Transformer Engine spec is selectable for GPUs (not exercised on CPU).
 """
 
 from __future__ import annotations
-
-import copy
-import math
 
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from nlq_scale import arms
 from nlq_scale.config.schema import ModelConfig, ParallelConfig
-from nlq_scale.model.accounting import ffn_hidden_size, query_rank, resolve_model
-from nlq_scale.model.attention import (
-    PreprojAttention,
-    PreprojSubmodules,
-    QueryVariantAttention,
-    QueryVariantSubmodules,
-)
-from nlq_scale.model.query import IdentityQuery, NonlinearQuery
+from nlq_scale.model.accounting import ffn_hidden_size, resolve_model
+from nlq_scale.model.norms import BlockNorm, HeadRMSNorm
 
 
-def softmax_scale(m: ModelConfig) -> float | None:
-    """None lets megatron use 1/sqrt(d_k). With W_Q = I the query is not learned to be small, so the
-    identity arm halves the scale (1/(2 sqrt(d_k)), as the W_Q-redundancy paper does)."""
-    if m.softmax_scale is not None:
-        return m.softmax_scale
-    if m.arm == "identity":
-        return 1.0 / (2.0 * math.sqrt(m.head_dim))
-    return None
+def softmax_scale(m: ModelConfig) -> float:
+    """model.softmax_scale, or the arm's default."""
+    return m.softmax_scale if m.softmax_scale is not None else arms.get(m.arm).softmax_scale(m)
 
 
-def transformer_config(m: ModelConfig, p: ParallelConfig) -> TransformerConfig:
+def transformer_config(m: ModelConfig, p: ParallelConfig, device: torch.device | None = None) -> TransformerConfig:
+    """`device`: where the model will compute (None: CUDA when available). On CUDA megatron creates
+    its weights on the current device; fused kernels are asked for only where they are installed."""
+    from nlq_scale.runtime.kernels import probe
+
     m = resolve_model(m)
-    on_gpu = torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
+    kernels = probe()
     dtype = torch.bfloat16 if m.bf16 else torch.float32
     return TransformerConfig(
         num_layers=m.num_layers,
@@ -63,7 +55,7 @@ def transformer_config(m: ModelConfig, p: ParallelConfig) -> TransformerConfig:
         attention_dropout=0.0,
         init_method_std=m.init_std,
         softmax_scale=softmax_scale(m),
-        qk_layernorm=m.qk_norm,
+        qk_layernorm=m.qk_norm == "learned",
         num_moe_experts=m.moe.num_experts,
         moe_router_topk=m.moe.router_topk,
         moe_aux_loss_coeff=m.moe.aux_loss_coeff,
@@ -78,7 +70,7 @@ def transformer_config(m: ModelConfig, p: ParallelConfig) -> TransformerConfig:
         # Fused kernels exist only on GPU (apex / TE / triton).
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu and kernels.fused_softmax,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         **_recompute(p),
@@ -96,22 +88,22 @@ def _recompute(p: ParallelConfig) -> dict:
 
 
 def _stock_spec(m: ModelConfig) -> ModuleSpec:
+    learned = m.qk_norm == "learned"
     if m.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=m.moe.num_experts, qk_layernorm=m.qk_norm)
-    return get_gpt_layer_local_spec(
-        num_experts=m.moe.num_experts, qk_layernorm=m.qk_norm, normalization=m.normalization
-    )
-
-
-def _query_spec(m: ModelConfig) -> ModuleSpec:
-    if m.arm == "identity":
-        return ModuleSpec(module=IdentityQuery)
-    return ModuleSpec(
-        module=NonlinearQuery,
-        params={"rank": query_rank(m), "activation": m.nlq.activation, "mix": m.nlq.mix},
-    )
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=m.moe.num_experts, qk_layernorm=learned)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=m.moe.num_experts, qk_layernorm=learned, normalization=m.normalization)
+    attention = spec.submodules.self_attention.submodules
+    if m.qk_norm == "rms":
+        attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
+    if not m.norm_bias:
+        norm = ModuleSpec(module=BlockNorm, params={"bias": False})
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
+        if learned:
+            attention.q_layernorm = attention.k_layernorm = norm
+    return spec
 
 
 def _kv_linear_and_norm(m: ModelConfig):
@@ -126,45 +118,39 @@ def _kv_linear_and_norm(m: ModelConfig):
 def layer_spec(m: ModelConfig) -> ModuleSpec:
     """Megatron's stock layer spec with the arm's attention swapped in."""
     m = resolve_model(m)
-    spec = copy.deepcopy(_stock_spec(m))
-    if m.arm == "linear":
-        return spec
-    stock = spec.submodules.self_attention
-    if m.arm == "preproj":
-        stock.module = PreprojAttention
-        stock.submodules = PreprojSubmodules(
-            **vars(stock.submodules),
-            rank=query_rank(m),
-            activation=m.preproj.activation,
-            skip_init_std=m.preproj.skip_init_std,
-        )
-        return spec
-    sub = stock.submodules
+    arm = arms.get(m.arm)
+    spec = _stock_spec(m)
     column_linear, norm = _kv_linear_and_norm(m)
-    spec.submodules.self_attention = ModuleSpec(
-        module=QueryVariantAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=QueryVariantSubmodules(
-            query=_query_spec(m),
-            linear_kv=column_linear,
-            core_attention=sub.core_attention,
-            linear_proj=sub.linear_proj,
-            q_layernorm=sub.q_layernorm,
-            k_layernorm=sub.k_layernorm,
-        ),
-    )
-    if norm is not None:
+    spec.submodules.self_attention = arm.megatron_attention(m, spec.submodules.self_attention, column_linear)
+    if not arm.fused_qkv and norm is not None:
         # The TE spec fuses input_layernorm into linear_qkv, which this attention does not have.
         spec.submodules.input_layernorm = norm
     return spec
 
 
-def build_gpt(m: ModelConfig, p: ParallelConfig, pre_process: bool = True, post_process: bool = True) -> GPTModel:
+def block_spec(m: ModelConfig, config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
+    """This pipeline stage's layers, plus a bias-free final norm with model.norm_bias=false."""
+    spec = layer_spec(m)
+    if m.norm_bias:
+        return spec
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config),
+        layer_norm=ModuleSpec(module=BlockNorm, params={"bias": False}),
+    )
+
+
+def build_gpt(
+    m: ModelConfig,
+    p: ParallelConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    device: torch.device | None = None,
+) -> GPTModel:
     """This pipeline stage's GPT. Call after parallel_state is initialised and the RNG seeded."""
-    config = transformer_config(m, p)
+    config = transformer_config(m, p, device)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(m),
+        transformer_layer_spec=block_spec(m, config),
         vocab_size=m.padded_vocab_size,
         max_sequence_length=m.seq_length,
         pre_process=pre_process,

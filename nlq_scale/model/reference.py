@@ -1,7 +1,8 @@
-"""A plain-PyTorch GPT with every query arm, in one readable file (nanoGPT style).
+"""A plain-PyTorch GPT (nanoGPT style) with any registered arm's reference query path.
 
 It is the yardstick for the megatron-core model: tests copy its weights into the megatron model at
-any tensor/pipeline layout (`load_into_megatron`) and require the same logits and loss.
+any tensor/pipeline layout (`load_into_megatron`, through each arm's weight names) and require the
+same logits and loss.
 """
 
 from __future__ import annotations
@@ -13,16 +14,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from nlq_scale import arms
 from nlq_scale.config.schema import ModelConfig
-from nlq_scale.model.accounting import ffn_hidden_size, query_rank, resolve_model
+from nlq_scale.model.accounting import ffn_hidden_size, resolve_model
 from nlq_scale.model.gpt import softmax_scale
+from nlq_scale.model.norms import HeadRMSNorm
 from nlq_scale.model.query import ACTIVATIONS
 
 EPS = 1e-5
 
 
 def _norm(m: ModelConfig, width: int) -> nn.Module:
-    return nn.LayerNorm(width, eps=EPS) if m.normalization == "LayerNorm" else nn.RMSNorm(width, eps=EPS)
+    if m.normalization == "LayerNorm":
+        return nn.LayerNorm(width, eps=EPS, bias=m.norm_bias)
+    return nn.RMSNorm(width, eps=EPS)
+
+
+def _head_norm(m: ModelConfig) -> nn.Module:
+    return {"none": nn.Identity, "learned": lambda: _norm(m, m.head_dim), "rms": HeadRMSNorm}[m.qk_norm]()
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -51,37 +60,16 @@ class MLP(nn.Module):
         return self.down(self.act(self.up(x)))
 
 
-class NonlinearQuery(nn.Module):
-    def __init__(self, m: ModelConfig) -> None:
-        super().__init__()
-        d = m.hidden_size
-        self.mix = m.nlq.mix
-        self.norm_in = nn.RMSNorm(d, eps=EPS)
-        self.f = MLP(d, query_rank(m), m.add_bias_linear, m.nlq.activation)
-        self.norm_out = nn.LayerNorm(d, eps=EPS)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.mix * x + (1.0 - self.mix) * self.norm_out(self.f(self.norm_in(x)))
-
-
 class Attention(nn.Module):
     def __init__(self, m: ModelConfig) -> None:
         super().__init__()
         d, dk, bias = m.hidden_size, m.head_dim, m.add_bias_linear
-        self.arm, self.heads, self.groups, self.head_dim = m.arm, m.num_attention_heads, m.query_groups, dk
-        self.scale = softmax_scale(m) or 1.0 / math.sqrt(dk)
-        if m.arm == "preproj":
-            self.pre_norm = nn.RMSNorm(d, eps=EPS)
-            self.pre = MLP(d, query_rank(m), bias, m.preproj.activation)
-            self.skip = nn.Linear(d, d, bias=bias)
-        if m.arm in ("linear", "preproj"):
-            self.q = nn.Linear(d, self.heads * dk, bias=bias)
-        if m.arm == "nonlinear":
-            self.q = NonlinearQuery(m)
+        self.heads, self.groups, self.head_dim = m.num_attention_heads, m.query_groups, dk
+        self.scale = softmax_scale(m)
+        self.query = arms.get(m.arm).reference_query(m)
         self.k = nn.Linear(d, self.groups * dk, bias=bias)
         self.v = nn.Linear(d, self.groups * dk, bias=bias)
-        self.q_norm = _norm(m, dk) if m.qk_norm else nn.Identity()
-        self.k_norm = _norm(m, dk) if m.qk_norm else nn.Identity()
+        self.q_norm, self.k_norm = _head_norm(m), _head_norm(m)
         self.proj = nn.Linear(self.heads * dk, d, bias=bias)
 
     def _heads(self, t: Tensor, n: int) -> Tensor:
@@ -89,10 +77,10 @@ class Attention(nn.Module):
         return t.view(b, s, n, self.head_dim).transpose(1, 2)  # [b, n, s, dk]
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
-        if self.arm == "preproj":
-            x = x + self.pre(self.pre_norm(x))
-        q_in = x if self.arm == "identity" else self.q(x)
-        q = self.q_norm(self._heads(q_in, self.heads))
+        prepare = getattr(self.query, "prepare", None)
+        if prepare is not None:
+            x = prepare(x)
+        q = self.q_norm(self._heads(self.query(x), self.heads))
         k = self.k_norm(self._heads(self.k(x), self.groups))
         v = self._heads(self.v(x), self.groups)
         if rope is not None:
@@ -102,7 +90,8 @@ class Attention(nn.Module):
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         y = self.proj(y.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-        return y + self.skip(x) if self.arm == "preproj" else y
+        finish = getattr(self.query, "finish", None)
+        return y if finish is None else finish(x, y)
 
 
 class Block(nn.Module):
@@ -141,12 +130,12 @@ class ReferenceGPT(nn.Module):
             std = m.init_std
             if name.endswith(("attn.proj.weight", "mlp.down.weight")):
                 std /= math.sqrt(2 * m.num_layers)
-            if name.endswith("attn.skip.weight"):
-                std = m.preproj.skip_init_std
             nn.init.normal_(p, 0.0, std)
         for mod in self.modules():
             if isinstance(mod, nn.Linear) and mod.bias is not None:
                 nn.init.zeros_(mod.bias)
+            if hasattr(mod, "init_arm_weights"):  # an arm's own init (e.g. preproj's near-zero skip)
+                mod.init_arm_weights()
 
     def forward(self, tokens: Tensor, labels: Tensor | None = None) -> Tensor:
         """Logits [b, s, vocab], or the per-token loss [b, s] when labels are given."""
@@ -175,6 +164,7 @@ def _kv(k: Tensor, v: Tensor, groups: int) -> Tensor:
 def _layer_state(ref: ReferenceGPT, i: int) -> dict[str, Tensor]:
     m, blk = ref.config, ref.blocks[i]
     a, g = blk.attn, m.query_groups
+    arm = arms.get(m.arm)
     out = {}
 
     def put(name: str, mod: nn.Module) -> None:
@@ -186,26 +176,18 @@ def _layer_state(ref: ReferenceGPT, i: int) -> dict[str, Tensor]:
     put("mlp.linear_fc1", blk.mlp.up)
     put("mlp.linear_fc2", blk.mlp.down)
     put("self_attention.linear_proj", a.proj)
-    if m.qk_norm:
-        put("self_attention.q_layernorm", a.q_norm)
-        put("self_attention.k_layernorm", a.k_norm)
-    if m.arm in ("linear", "preproj"):
-        for pname in ("weight", "bias") if m.add_bias_linear else ("weight",):
-            parts = [getattr(lin, pname).detach() for lin in (a.q, a.k, a.v)]
-            out[f"self_attention.linear_qkv.{pname}"] = _fused_qkv(*parts, g)
-    else:
-        for pname in ("weight", "bias") if m.add_bias_linear else ("weight",):
-            out[f"self_attention.linear_kv.{pname}"] = _kv(getattr(a.k, pname).detach(), getattr(a.v, pname).detach(), g)
-    if m.arm == "nonlinear":
-        put("self_attention.query.norm_in", a.q.norm_in)
-        put("self_attention.query.f.up", a.q.f.up)
-        put("self_attention.query.f.down", a.q.f.down)
-        put("self_attention.query.norm_out", a.q.norm_out)
-    if m.arm == "preproj":
-        put("self_attention.pre_norm", a.pre_norm)
-        put("self_attention.pre.up", a.pre.up)
-        put("self_attention.pre.down", a.pre.down)
-        put("self_attention.w_skip", a.skip)
+    put("self_attention.q_layernorm", a.q_norm)
+    put("self_attention.k_layernorm", a.k_norm)
+    attention = dict(a.named_parameters())
+    for w in arm.weight_names(m):
+        out[w.megatron] = attention[w.reference].detach()
+    fused = "self_attention.linear_qkv"
+    for pname in ("weight", "bias") if m.add_bias_linear else ("weight",):
+        k, v = getattr(a.k, pname).detach(), getattr(a.v, pname).detach()
+        if arm.fused_qkv:
+            out[f"{fused}.{pname}"] = _fused_qkv(out[f"{fused}.{pname}"], k, v, g)
+        else:
+            out[f"self_attention.linear_kv.{pname}"] = _kv(k, v, g)
     return out
 
 

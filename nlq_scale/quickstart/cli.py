@@ -47,6 +47,6 @@ def run(args: argparse.Namespace) -> int:
     sweep_dir = root / load_sweep(sweep_path(args.sweep)).name
     report = sweep_dir / "report"
     _step(f"3/3 compare -> {report}")
-    _call(["compare", str(sweep_dir), "--reference", "linear", "--out", str(report)])
+    _call(["compare", str(sweep_dir), "--out", str(report)])
     print(f"\nreport: {report / 'report.md'}\nplots:  {report}/*.png")
     return 0

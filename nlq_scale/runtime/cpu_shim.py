@@ -66,7 +66,8 @@ class _CpuTorch:
 
 
 def _tensor_cuda_to_self(self: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
-    return self
+    # Through .to(), so runtime.check_device sees the move to the device (a no-op on the CPU).
+    return self.to(torch.cuda.current_device())
 
 
 # Modules that test `tensor.type() == 'torch.cuda.FloatTensor'` (and Half/BFloat16) to pick a code path.

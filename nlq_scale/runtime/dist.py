@@ -9,7 +9,7 @@ import os
 import socket
 import subprocess
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
 
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from nlq_scale.config.schema import ParallelConfig
 from nlq_scale.runtime import cpu_shim
+from nlq_scale.runtime.device import Device, resolve_device
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,7 @@ class Layout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+    device: Device
 
 
 def free_port() -> int:
@@ -100,14 +99,16 @@ def export_env(env: DistEnv) -> None:
     )
 
 
-def init_distributed(env: DistEnv, parallel: ParallelConfig, timeout_min: int = 30) -> Layout:
+def init_distributed(env: DistEnv, parallel: ParallelConfig, device: str = "auto", timeout_min: int = 30) -> Layout:
+    """`device` is runtime.device; it is resolved (and CUDA checked) before anything else starts."""
     from megatron.core import parallel_state as ps
 
+    compute = resolve_device(device, env.local_rank)
     cpu_shim.apply()
     export_env(env)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
+    backend = compute.backend
+    if compute.is_cuda:
+        torch.cuda.set_device(compute.torch_device)
     if not dist.is_initialized():
         # One process needs no rendezvous: an in-memory store avoids racing other jobs for a port.
         rendezvous = (
@@ -137,6 +138,7 @@ def init_distributed(env: DistEnv, parallel: ParallelConfig, timeout_min: int = 
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        device=compute,
     )
 
 
@@ -150,9 +152,9 @@ def teardown() -> None:
 
 
 @contextlib.contextmanager
-def distributed(parallel: ParallelConfig, env: DistEnv | None = None) -> Iterator[Layout]:
+def distributed(parallel: ParallelConfig, env: DistEnv | None = None, device: str = "auto") -> Iterator[Layout]:
     """Init torch.distributed + megatron parallel state for the duration of the block."""
-    layout = init_distributed(env or detect_env(), parallel)
+    layout = init_distributed(env or detect_env(), parallel, device)
     try:
         yield layout
     finally:

@@ -22,6 +22,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nlq_scale.config.load import load_run_config
+    from nlq_scale.runtime.dist import detect_env
     from nlq_scale.train.preflight import preflight
 
     if args.scale and not args.arm:
@@ -29,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     cfg = load_run_config(scale=args.scale, arm=args.arm, config_path=args.config, overrides=args.overrides)
-    preflight(cfg, args.run_dir, args.nproc)
+    # Under srun/torchrun this process is one rank of a larger world: check the layout against it.
+    env = detect_env() if args.nproc == 1 else None
+    preflight(cfg, args.run_dir, env.world_size if env else args.nproc, env.local_rank if env else 0)
     if args.nproc == 1:
         from nlq_scale.train.api import train_run
 

@@ -12,6 +12,8 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from torch import Tensor
 
+from nlq_scale.runtime.device import Device
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -36,11 +38,11 @@ def lm_loss(logits: Tensor, labels: Tensor, z_loss: float) -> Tensor:
     return loss
 
 
-def reduce_last_stage_mean(losses: list[dict]) -> float:
+def reduce_last_stage_mean(losses: list[dict], device: Device) -> float:
     """Global mean of the 'lm loss' values that only the last pipeline stage holds, counted once
     per data-parallel rank (tensor-parallel peers hold copies)."""
     contributes = bool(losses) and ps.get_tensor_model_parallel_rank() == 0
     values = [float(d["lm loss"]) for d in losses] if contributes else []
-    total = torch.tensor([sum(values) / max(len(values), 1), float(contributes)], dtype=torch.float64)
+    total = device.tensor([sum(values) / max(len(values), 1), float(contributes)], dtype=torch.float64)
     dist.all_reduce(total)
     return float(total[0] / total[1])

@@ -34,6 +34,7 @@ from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
 from nlq_scale.model.gpt import build_gpt
 from nlq_scale.runtime import cpu_shim
+from nlq_scale.runtime.device import Device
 from nlq_scale.train.engine_common import StepStats, lm_loss, reduce_last_stage_mean
 from nlq_scale.train.rundir import write_json
 
@@ -103,7 +104,9 @@ def ds_config(cfg: RunConfig, dp: int, load_universal: bool = False) -> dict:
                 "betas": [t.beta1, t.beta2],
                 "eps": t.eps,
                 "weight_decay": t.weight_decay,
-                "torch_adam": True,  # torch.optim.AdamW (as the megatron engine on CPU): no op compile
+                # torch.optim.AdamW on every device: DeepSpeed 0.19's FusedAdam is JIT-compiled with nvcc
+                # at first use (absent on many compute nodes) and its cpu_adam only serves offload.
+                "torch_adam": True,
             },
         },
         "checkpoint": {"load_universal": load_universal},
@@ -158,16 +161,16 @@ def _check_supported(cfg: RunConfig) -> None:
 class DeepSpeedEngine:
     name = "deepspeed"
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, device: Device) -> None:
         _check_supported(cfg)
-        self.cfg = cfg
+        self.cfg, self.device = cfg, device
         self.layout = _Layout(
             dp=ps.get_data_parallel_world_size(),
             tp=ps.get_tensor_model_parallel_world_size(),
             zero_stage=cfg.train.zero_stage,
             bf16=cfg.model.bf16,
         )
-        self._positions = torch.arange(cfg.model.seq_length).unsqueeze(0)
+        self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))
         self._poison = False
         self.engine = self._initialize(load_universal=False)
 
@@ -176,7 +179,9 @@ class DeepSpeedEngine:
         import deepspeed
 
         model_parallel_cuda_manual_seed(self.cfg.seed)
-        model = build_gpt(self.cfg.model, self.cfg.parallel)
+        # DeepSpeed moves the module to its accelerator's current device, which init_distributed set
+        # to this Device; moving it here first keeps that explicit (and checked by check_device).
+        model = build_gpt(self.cfg.model, self.cfg.parallel, device=self.device.torch_device).to(self.device.torch_device)
         # DeepSpeed saves this with the model states, where ds_to_universal looks for it.
         model.universal_checkpoint_info = universal_checkpoint_info(model)
         with _quiet():
@@ -229,7 +234,7 @@ class DeepSpeedEngine:
             # The scale is class state shared with megatron's schedule in this process: keep its shape.
             current = MoEAuxLossAutoScaler.main_loss_backward_scale
             shape = current.shape if current is not None else (1,)
-            MoEAuxLossAutoScaler.set_loss_scale(torch.full(shape, 1.0 / len(micro)))
+            MoEAuxLossAutoScaler.set_loss_scale(torch.full(shape, 1.0 / len(micro), device=self.device.torch_device))
         losses, own_norm = [], None
         for i, batch in enumerate(micro):
             loss = self._loss(batch)
@@ -243,13 +248,13 @@ class DeepSpeedEngine:
             self.engine.step()
         self._poison = False
         grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
-        return StepStats(loss=reduce_last_stage_mean(losses), grad_norm=_finite_or_nan(grad_norm))
+        return StepStats(loss=reduce_last_stage_mean(losses, self.device), grad_norm=_finite_or_nan(grad_norm))
 
     @torch.no_grad()
     def evaluate(self, tokens: Tensor) -> float:
         self.engine.eval()
         losses = [{"lm loss": self._loss(batch)} for batch in tokens.split(self.cfg.train.micro_batch_size)]
-        return reduce_last_stage_mean(losses)
+        return reduce_last_stage_mean(losses, self.device)
 
     def save(self, ckpt_dir: Path) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
@@ -342,7 +347,7 @@ def _tensor_model_states(source: Path, dest: Path) -> None:
         if not f.name.endswith("_model_states.pt"):
             (dest / f.name).symlink_to(f.resolve())
             continue
-        state = torch.load(f, map_location="cpu", weights_only=False)  # DeepSpeed's own pickle
+        state = torch.load(f, map_location="cpu", weights_only=True)  # in untrusted.weights_only_loads
         if state.get("module") is not None:
             state["module"] = {k: v for k, v in state["module"].items() if v is not None}
         torch.save(state, dest / f.name)

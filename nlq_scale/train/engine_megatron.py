@@ -18,6 +18,7 @@ from torch import Tensor
 
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.model.gpt import build_gpt
+from nlq_scale.runtime.device import Device
 from nlq_scale.train.engine_common import StepStats, lm_loss, reduce_last_stage_mean
 
 # Reshardable across TP, PP and DP, so a run saved at one layout resumes at another.
@@ -27,8 +28,8 @@ _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 class MegatronEngine:
     name = "megatron"
 
-    def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, device: Device) -> None:
+        self.cfg, self.device = cfg, device
         t = cfg.train
         model_parallel_cuda_manual_seed(cfg.seed)
         model = build_gpt(
@@ -36,7 +37,11 @@ class MegatronEngine:
             cfg.parallel,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
+            device=device.torch_device,
         )
+        # Before DDP and the optimizer: megatron's torch norms and the arms' torch.nn modules are
+        # created on the host even when megatron's own weights start on the GPU.
+        model = model.to(device.torch_device)
         self.tconfig = model.config
         if cfg.model.bf16:
             model = Float16Module(self.tconfig, model)  # casts inputs/outputs around the bf16 model
@@ -63,13 +68,13 @@ class MegatronEngine:
             ),
             [self.model],
         )
-        # Without these, data-parallel gradients are never reduced (FINDINGS.md).
+        # Without these, data-parallel gradients are never reduced.
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
         self.tconfig.no_sync_func = self.model.no_sync
         self._skip_step_when_loading_param_state()
         self._schedule = get_forward_backward_func()
-        self._positions = torch.arange(cfg.model.seq_length).unsqueeze(0)
+        self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))
         self._poison = False
 
     def set_lr(self, lr: float) -> None:
@@ -116,12 +121,12 @@ class MegatronEngine:
         losses = self._run(tokens, forward_only=False)
         self._poison = False
         _, grad_norm, _ = self.optimizer.step()
-        return StepStats(loss=reduce_last_stage_mean(losses), grad_norm=grad_norm)
+        return StepStats(loss=reduce_last_stage_mean(losses, self.device), grad_norm=grad_norm)
 
     @torch.no_grad()
     def evaluate(self, tokens: Tensor) -> float:
         self.model.eval()
-        return reduce_last_stage_mean(self._run(tokens, forward_only=True))
+        return reduce_last_stage_mean(self._run(tokens, forward_only=True), self.device)
 
     def _sharded_state(self, is_loading: bool) -> dict:
         model_state = self.model.module.sharded_state_dict()
@@ -136,7 +141,8 @@ class MegatronEngine:
 
     def _fallback_distributed_optimizers(self) -> list:
         """megatron's distributed optimizers that run on torch's Adam (no Apex / Transformer
-        Engine: the CPU path). megatron-core 0.16.1 mishandles Adam's `step` there; the three
+        Engine: the CPU path, and GPU nodes without either). megatron-core 0.16.x (written against
+        0.16.1) mishandles Adam's `step` there; the three
         methods below mend it where the state is built and loaded."""
         from megatron.core.optimizer import distrib_optimizer
 

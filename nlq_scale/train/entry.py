@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nlq_scale.errors import UsageError
+from nlq_scale.errors import RunFailure, UsageError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"nlq-scale train: error: {e}", file=sys.stderr)
         return 2
+    except RunFailure as e:
+        print(f"nlq-scale train: failed: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -33,6 +33,7 @@ class DataFeed:
         from nlq_scale.data.loader import make_train_loader, make_val_set
 
         self.layout = layout
+        self.device = layout.device
         self.seq = cfg.model.seq_length
         self.rank_batch = cfg.train.global_batch_size // layout.dp
         self._mp_group = ps.get_model_parallel_group()
@@ -52,16 +53,16 @@ class DataFeed:
         self.val = self._share(val, (cfg.data.val_sequences, self.seq + 1)).chunk(layout.dp)[layout.dp_rank]
 
     def _loader_global_rank(self) -> int:
-        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(self._mp_group))]
-        dist.all_gather(flags, torch.tensor([int(_is_loader(self.layout))]), group=self._mp_group)
+        flags = [self.device.empty((1,), torch.int64) for _ in range(dist.get_world_size(self._mp_group))]
+        dist.all_gather(flags, self.device.tensor([int(_is_loader(self.layout))]), group=self._mp_group)
         group_rank = next(i for i, f in enumerate(flags) if int(f) == 1)
         return dist.get_global_rank(self._mp_group, group_rank)
 
     def _share(self, tokens: Tensor | None, shape: tuple[int, int]) -> Tensor:
-        if dist.get_world_size(self._mp_group) == 1:
-            return tokens
-        buf = tokens.contiguous() if tokens is not None else torch.empty(shape, dtype=torch.int64)
-        dist.broadcast(buf, src=self._src, group=self._mp_group)
+        """The loader rank's host batch, on every model-parallel peer's device."""
+        buf = self.device.put(tokens.contiguous()) if tokens is not None else self.device.empty(shape, torch.int64)
+        if dist.get_world_size(self._mp_group) > 1:
+            dist.broadcast(buf, src=self._src, group=self._mp_group)
         return buf
 
     def next(self) -> Tensor:
@@ -71,7 +72,7 @@ class DataFeed:
     def digest(self, tokens: Tensor) -> str:
         from nlq_scale.data.loader import batch_digest
 
-        return batch_digest(tokens, group=ps.get_data_parallel_group())
+        return batch_digest(tokens, group=ps.get_data_parallel_group(), device=self.device)
 
     def state_dict(self) -> dict | None:
         return self.loader.state_dict() if self.loader is not None else None

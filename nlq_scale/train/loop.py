@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.model.accounting import count_parameters, flops_per_token
+from nlq_scale.runtime.device import Device
 from nlq_scale.runtime.dist import Layout
+from nlq_scale.runtime.kernels import report_missing
 from nlq_scale.train.checkpoint import CheckpointDir
 from nlq_scale.train.divergence import DivergenceGuard
 from nlq_scale.train.feed import DataFeed
@@ -22,14 +24,14 @@ from nlq_scale.train.schedule import lr_at
 from nlq_scale.train.signals import StopFlag
 
 
-def make_engine(cfg: RunConfig):
+def make_engine(cfg: RunConfig, device: Device):
     if cfg.train.engine == "deepspeed":
         from nlq_scale.train.engine_deepspeed import DeepSpeedEngine
 
-        return DeepSpeedEngine(cfg)
+        return DeepSpeedEngine(cfg, device)
     from nlq_scale.train.engine_megatron import MegatronEngine
 
-    return MegatronEngine(cfg)
+    return MegatronEngine(cfg, device)
 
 
 def accounting(cfg: RunConfig) -> dict:
@@ -52,8 +54,8 @@ def _broadcast_str(value: str | None) -> str | None:
     return box[0]
 
 
-def _any_rank(flag: bool) -> bool:
-    t = torch.tensor([int(flag)])
+def _any_rank(flag: bool, device: Device) -> bool:
+    t = device.tensor([int(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -65,9 +67,10 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
         self.flops_per_token = flops_per_token(cfg.model)
         self.status = Status(run_dir, cfg.train.steps, layout.num_nodes)
-        self.ckpts = CheckpointDir(run_dir, cfg.checkpoint.keep)
+        self.ckpts = CheckpointDir(run_dir, cfg.checkpoint.keep, cfg.checkpoint.keep_every)
         self.guard = DivergenceGuard(cfg.train.divergence)
-        self.engine = make_engine(cfg)
+        report_missing(self.rank)
+        self.engine = make_engine(cfg, layout.device)
         self.feed = DataFeed(cfg, layout, run_dir)
         self.step, self.tokens = 0, 0
         resumed_from = self._resume()
@@ -99,7 +102,7 @@ class Trainer:
             return None
         ckpt = Path(path)
         _say(self.rank, f"resuming from {ckpt}")
-        self.engine.load(ckpt)
+        self.ckpts.load_engine(ckpt, self.engine.load)
         state = self.ckpts.load_trainer_state(ckpt, self.rank, self.layout.world_size)
         self.step, self.tokens = state["step"], state["tokens"]
         self.feed.load_state_dict(state["data"])
@@ -137,7 +140,7 @@ class Trainer:
         tokens_per_s = self.tokens_per_step / seconds
         peak = self.cfg.train.device_peak_flops
         mfu = self.flops_per_token * tokens_per_s / (peak * self.layout.world_size) if peak else None
-        return {
+        record = {
             "step": self.step,
             "tokens": self.tokens,
             "train/loss": loss,
@@ -147,6 +150,10 @@ class Trainer:
             "mfu": mfu,
             "data/hash": digest,
         }
+        peak_memory = self.layout.device.peak_memory_bytes()
+        if peak_memory is not None:
+            record["memory/peak_gb"] = peak_memory / 2**30
+        return record
 
     def run(self) -> str:
         t = self.cfg.train
@@ -178,7 +185,7 @@ class Trainer:
                 if problem is not None:
                     # No checkpoint: the last good one must not be replaced by a diverged state.
                     return self._finish("diverged", "diverged", problem)
-                if _any_rank(stop.signum is not None):
+                if _any_rank(stop.signum is not None, self.layout.device):
                     self._save()
                     return self._finish("preempted", "preempt", signal=stop.signal_name)
                 every = self.cfg.checkpoint.every

@@ -1,7 +1,9 @@
 """metrics.jsonl (the source of truth), its W&B mirror, and the progress line. Rank 0 only.
 
 W&B is best effort: any failure there is reported once and the mirror is switched off; training
-and metrics.jsonl carry on.
+and metrics.jsonl carry on. A resumed run continues the same W&B run rewound to its checkpoint's step
+(`resume_from`: a W&B branch point, honoured when the offline run is synced), and mirrors only the
+steps after it: the steps a killed job logged past its last checkpoint are replaced, none doubled.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def _finite_or_none(value: Any) -> Any:
 
 
 class WandbMirror:
-    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume_step: int | None) -> None:
         self.run = None
+        self.after_step = resume_step or 0
         if not cfg.logging.wandb:
             return
         try:
@@ -39,9 +42,8 @@ class WandbMirror:
                 entity=cfg.logging.wandb_entity,
                 group=cfg.sweep,
                 name=cfg.name or run_dir.name,
-                id=_wandb_id(run_dir),
-                resume="allow" if resume else None,
                 dir=str(run_dir),
+                **_continuation(run_dir, resume_step),
                 tags=[f"arm:{cfg.arm_label}", f"scale:{cfg.scale}", f"seed:{cfg.seed}", f"lr:{cfg.train.lr:g}"]
                 + list(cfg.logging.tags),
                 config=cfg.model_dump(mode="json"),
@@ -55,7 +57,7 @@ class WandbMirror:
         self.run = None
 
     def log(self, record: dict) -> None:
-        if self.run is None:
+        if self.run is None or record["step"] <= self.after_step:
             return
         try:
             values = {k: v for k, v in record.items() if k not in ("step", "event") and isinstance(v, (int, float))}
@@ -78,13 +80,24 @@ def _wandb_id(run_dir: Path) -> str:
     return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
 
 
+def _continuation(run_dir: Path, resume_step: int | None) -> dict[str, str]:
+    """wandb.init's id arguments: a new run, or the earlier one rewound to the checkpoint's step
+    when an earlier session mirrored it (W&B may have been off then: resume without a rewind)."""
+    run_id = _wandb_id(run_dir)
+    if resume_step is None:
+        return {"id": run_id}
+    if any((run_dir / "wandb").glob(f"*-{run_id}")):
+        return {"resume_from": f"{run_id}?_step={resume_step}"}
+    return {"id": run_id, "resume": "allow"}
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, cfg: RunConfig, resume: bool, enabled: bool, start_step: int) -> None:
         self.enabled = enabled
         self.start_step = start_step
         self.total_steps = cfg.train.steps
         self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None
-        self.wandb = WandbMirror(cfg, run_dir, resume) if enabled else None
+        self.wandb = WandbMirror(cfg, run_dir, start_step if resume else None) if enabled else None
         self._tty = sys.stdout.isatty()
         self._t0 = time.time()
 

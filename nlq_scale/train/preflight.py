@@ -6,12 +6,20 @@ from pathlib import Path
 
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
+from nlq_scale.runtime.device import resolve_device
+from nlq_scale.runtime.kernels import probe
 from nlq_scale.train.rundir import claim
 
 
-def preflight(cfg: RunConfig, run_dir: Path, world_size: int) -> None:
+def preflight(cfg: RunConfig, run_dir: Path, world_size: int, local_rank: int = 0) -> None:
     from nlq_scale.data.loader import dataset_manifest_sha256
 
+    resolve_device(cfg.runtime.device, local_rank)  # CUDA asked for and missing: stop before anything
+    if cfg.model.transformer_impl == "transformer_engine" and not probe().transformer_engine:
+        raise UsageError(
+            "model.transformer_impl=transformer_engine: Transformer Engine is not installed "
+            "(pip install 'nlq-scale[gpu]' on a CUDA node, or use transformer_impl=local)"
+        )
     try:
         dp = cfg.data_parallel_size(world_size)
         cfg.grad_accum_steps(world_size)

@@ -20,6 +20,7 @@ from megatron.core import parallel_state as ps
 
 from nlq_scale.config import load_run_config
 from nlq_scale.config.schema import RunConfig
+from nlq_scale.runtime.device import Device
 from nlq_scale.runtime.dist import distributed
 from nlq_scale.train.schedule import lr_at
 
@@ -58,18 +59,25 @@ def train(engine, cfg: RunConfig, data: list[torch.Tensor], first_step: int) -> 
     return losses
 
 
+CPU = Device(torch.device("cpu"))
+
+
 def deepspeed_engine(cfg: RunConfig):
     from nlq_scale.train.engine_deepspeed import DeepSpeedEngine
 
-    return DeepSpeedEngine(cfg)
+    return DeepSpeedEngine(cfg, CPU)
+
+
+def megatron_engine(cfg: RunConfig):
+    from nlq_scale.train.engine_megatron import MegatronEngine
+
+    return MegatronEngine(cfg, CPU)
 
 
 def compare(cfg: RunConfig, _dir: Path | None) -> dict:
-    from nlq_scale.train.engine_megatron import MegatronEngine
-
     data = batches(cfg, cfg.train.steps, seed=0)
     out = {}
-    for name, make in (("deepspeed", deepspeed_engine), ("megatron", MegatronEngine)):
+    for name, make in (("deepspeed", deepspeed_engine), ("megatron", megatron_engine)):
         start = time.perf_counter()
         engine = make(cfg)
         out[f"{name}_init_s"] = time.perf_counter() - start

@@ -1,5 +1,6 @@
 """Rank script: the loss of reference weights loaded into a megatron GPT at a TP x PP layout,
-through megatron's pipeline schedule, for each arm. Usage: layout_loss.py TP PP OUT ARM..."""
+through megatron's pipeline schedule, for each case. Usage: layout_loss.py TP PP OUT CASE...
+where a CASE is a model.arm, optionally with overrides: `nonlinear|model.qk_norm=rms|...`."""
 
 import json
 import os
@@ -14,13 +15,16 @@ from nlq_scale.config import load_run_config
 from nlq_scale.config.schema import ParallelConfig
 from nlq_scale.model.gpt import build_gpt
 from nlq_scale.model.reference import ReferenceGPT, load_into_megatron
+from nlq_scale.runtime.device import Device
 from nlq_scale.runtime.dist import distributed
 from nlq_scale.train.engine_common import lm_loss, reduce_last_stage_mean
 from tests.conftest import TINY_MODEL
 
 
-def arm_loss(arm: str, tp: str, pp: str) -> float:
-    cfg = load_run_config("124m", arm, overrides=TINY_MODEL + [f"parallel.tp={tp}", f"parallel.pp={pp}"])
+def arm_loss(case: str, tp: str, pp: str) -> float:
+    arm, *extra = case.split("|")
+    layout = [f"parallel.tp={tp}", f"parallel.pp={pp}"]
+    cfg = load_run_config("124m", overrides=TINY_MODEL + [f"model.arm={arm}", *extra, *layout])
     model_parallel_cuda_manual_seed(7)
     model = build_gpt(cfg.model, cfg.parallel, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
     torch.manual_seed(0)
@@ -48,12 +52,12 @@ def arm_loss(arm: str, tp: str, pp: str) -> float:
             micro_batch_size=2,
             forward_only=True,
         )
-    return reduce_last_stage_mean(losses)
+    return reduce_last_stage_mean(losses, Device(torch.device("cpu")))
 
 
-def main(tp: str, pp: str, out: str, *arms: str) -> None:
+def main(tp: str, pp: str, out: str, *cases: str) -> None:
     with distributed(ParallelConfig(tp=int(tp), pp=int(pp))):
-        losses = {arm: arm_loss(arm, tp, pp) for arm in arms}
+        losses = {case: arm_loss(case, tp, pp) for case in cases}
     if int(os.environ["RANK"]) == 0:
         with open(out, "w") as f:
             json.dump(losses, f)

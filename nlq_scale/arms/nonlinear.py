@@ -1,0 +1,127 @@
+"""nonlinear: q = mix * x + (1 - mix) * LN(W2 act(W1 RMSNorm x)); the paper's (x + f(x))/2 at mix 1/2.
+
+The authors' code writes q = x + LN(f(x)) with a halved attention scale; at mix = 1/2 and scale
+1/sqrt(d_k) this is the same attention (tests/test_arms.py checks the logits on their module shapes).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from pydantic import Field
+
+from nlq_scale.arms.base import (
+    Arm,
+    QueryMLPOptions,
+    inverse_sqrt_head_dim,
+    linear_names,
+    linear_params,
+    norm_names,
+    norm_params,
+)
+
+
+class NonlinearQueryConfig(QueryMLPOptions):
+    """model.nlq: f's width r (W1: d -> r, W2: r -> d), activation, and the mix of x and f(x)."""
+
+    section = "nlq"
+    mix: float = Field(0.5, ge=0.0, le=1.0, description="weight of the X skip; f(X) gets 1 - mix")
+
+
+@cache
+def _modules():
+    """The megatron and reference query modules (torch is imported only when a model is built)."""
+    import torch
+    from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
+    from megatron.core.transformer.module import MegatronModule
+
+    from nlq_scale.model.query import ParallelMLP
+    from nlq_scale.model.reference import MLP
+
+    class NonlinearQuery(MegatronModule):
+        """Norms on the full hidden vector on every rank, f's W1/W2 split over TP (W2 all-reduces),
+        then the query is scattered to this rank's heads."""
+
+        def __init__(self, config, width, activation, mix, norm_bias, tp_group=None, **_unused):
+            super().__init__(config=config)
+            d, eps = config.hidden_size, config.layernorm_epsilon
+            self.mix = mix
+            self.norm_in = torch.nn.RMSNorm(d, eps=eps, dtype=config.params_dtype)
+            self.f = ParallelMLP(config, width, activation, tp_group)
+            self.norm_out = torch.nn.LayerNorm(d, eps=eps, bias=norm_bias, dtype=config.params_dtype)
+
+        def forward(self, x):
+            q = self.mix * x + (1.0 - self.mix) * self.norm_out(self.f(self.norm_in(x)))
+            return scatter_to_tensor_model_parallel_region(q)
+
+    class ReferenceNonlinearQuery(torch.nn.Module):
+        def __init__(self, d, width, activation, mix, bias, norm_bias, eps):
+            super().__init__()
+            self.mix = mix
+            self.norm_in = torch.nn.RMSNorm(d, eps=eps)
+            self.f = MLP(d, width, bias, activation)
+            self.norm_out = torch.nn.LayerNorm(d, eps=eps, bias=norm_bias)
+
+        def forward(self, x):
+            return self.mix * x + (1.0 - self.mix) * self.norm_out(self.f(self.norm_in(x)))
+
+    return NonlinearQuery, ReferenceNonlinearQuery
+
+
+class Nonlinear(Arm):
+    name = "nonlinear"
+    summary = "q = (x + LN(W2 act(W1 RMSNorm x)))/2"
+    options = NonlinearQueryConfig
+    options_key = "nlq"
+    fused_qkv = False
+    query_is_hidden_width = True
+
+    def width(self, m) -> int:
+        return self.settings(m).width_for(m)
+
+    def softmax_scale(self, m):
+        return inverse_sqrt_head_dim(m)
+
+    def query_params(self, m):
+        # RMSNorm (d) -> W1 (d -> r) -> act -> W2 (r -> d) -> LayerNorm: +3d vs linear at r = d/2 (+2d without norm bias).
+        d, r = m.hidden_size, self.width(m)
+        return {
+            "nlq_rmsnorm": norm_params(m, d, "RMSNorm"),
+            "nlq_w1": linear_params(m, d, r),
+            "nlq_w2": linear_params(m, r, d),
+            "nlq_layernorm": norm_params(m, d, "LayerNorm"),
+        }
+
+    def activation_elements(self, m, tokens):
+        # RMSNorm output and W2 output (full vectors on every rank); W1 and activation outputs (split).
+        return tokens * 2 * m.hidden_size, tokens * 2 * self.width(m)
+
+    def megatron_attention(self, m, stock, column_linear):
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from nlq_scale.model.attention import query_variant_attention
+
+        o = self.settings(m)
+        query = ModuleSpec(
+            module=_modules()[0],
+            params={"width": self.width(m), "activation": o.activation, "mix": o.mix, "norm_bias": m.norm_bias},
+        )
+        return query_variant_attention(stock, query, column_linear)
+
+    def reference_query(self, m):
+        from nlq_scale.model.reference import EPS
+
+        o = self.settings(m)
+        return _modules()[1](m.hidden_size, self.width(m), o.activation, o.mix, m.add_bias_linear, m.norm_bias, EPS)
+
+    def weight_names(self, m):
+        q, mq, ex = "query", "self_attention.query", "attn.q_mlp"
+        return [
+            *norm_names(m, f"{q}.norm_in", f"{mq}.norm_in", f"{ex}.norm_in", "RMSNorm"),
+            *linear_names(m, f"{q}.f.up", f"{mq}.f.up", f"{ex}.up"),
+            *linear_names(m, f"{q}.f.down", f"{mq}.f.down", f"{ex}.down"),
+            *norm_names(m, f"{q}.norm_out", f"{mq}.norm_out", f"{ex}.norm_out", "LayerNorm"),
+        ]
+
+
+ARM = Nonlinear

@@ -1,0 +1,1 @@
+"""`nlq-scale doctor`: check a fresh (GPU) node before submitting a ladder."""

@@ -1,0 +1,221 @@
+"""The conformance suite: every registered arm, with the norm and QK-norm variants, against the
+plain-PyTorch reference, its own accounting, the planner, checkpoints and parallel layouts.
+
+An arm registered through $NLQ_SCALE_ARMS runs through the same suite (test_example_arm_conforms
+does so for the docs/arms.md example), so a new arm that gets a piece wrong fails here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nlq_scale import arms
+from nlq_scale.arms.base import Arm
+from nlq_scale.config import load_run_config
+from nlq_scale.model.accounting import count_parameters
+from tests.conftest import REPO, TINY_MODEL, run_ranks
+from tests.test_model import build_model as build
+from tests.test_model import single_rank  # noqa: F401  (fixture)
+
+VARIANTS = {
+    "stock": [],
+    "nobias-rmsqk": ["model.norm_bias=false", "model.qk_norm=rms"],
+    "learnedqk-rope-gqa": ["model.qk_norm=learned", "model.position_embedding=rope", "model.num_query_groups=2"],
+}
+# Further shapes and the control arms' config files (configs/arms/<name>.yaml).
+MORE = [
+    ("identity", ["model.num_query_groups=1", "model.normalization=RMSNorm"]),
+    ("nonlinear", ["model.nlq.activation=relu2", "model.nlq.width=24", "model.add_bias_linear=true"]),
+    ("residual", ["model.add_bias_linear=true", "model.tie_embeddings=false"]),
+    ("linear", ["model.tie_embeddings=false", "model.position_embedding=rope", "model.num_query_groups=2"]),
+    ("linear-mlp4.75", []),
+    ("linear-matched", []),
+]
+CASES = [pytest.param(arm, VARIANTS[v], id=f"{arm}-{v}") for arm in arms.names() for v in VARIANTS] + [
+    pytest.param(arm, overrides, id=f"{arm}-more{i}") for i, (arm, overrides) in enumerate(MORE)
+]
+# cpu-xs with a small vocabulary and 4 wider layers: the layers, not the logits, hold the activations.
+LAYER_BOUND = ["model.vocab_size=256", "model.num_layers=4", "model.hidden_size=128", "model.num_attention_heads=4"]
+NOT_ARMS = ("lr_schedule", "loss_space", "loss-space", "LOSS_SPACES")
+EXAMPLE_ARM = REPO / "docs" / "examples" / "gain_arm.py"
+
+
+def case_config(arm: str, overrides: list[str] | tuple = ()):
+    """The 124m scale at TINY_MODEL's shape with an arm (a registered arm or a configs/arms name)."""
+    if arm in arms.names():
+        return load_run_config("124m", overrides=[*TINY_MODEL, f"model.arm={arm}", *overrides])
+    return load_run_config("124m", arm, overrides=[*TINY_MODEL, *overrides])
+
+
+def logits(model, cfg, tokens):
+    positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        return model(tokens, positions, None)
+
+
+def tokens_for(cfg, batch: int = 3):
+    return torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_length), generator=torch.Generator().manual_seed(1))
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def test_registry_refuses_an_arm_missing_a_piece():
+    class Incomplete(Arm):
+        name = "incomplete"
+        summary = "q = ?"
+        fused_qkv = False
+
+        def softmax_scale(self, m):
+            return 1.0
+
+        def query_params(self, m):
+            return {}
+
+    with pytest.raises(TypeError, match="activation_elements.*megatron_attention.*reference_query.*weight_names"):
+        arms.register(Incomplete)
+
+    class HalfDeclared(type(arms.get("identity"))):
+        name = "half"
+        options_key = "half"  # an option section without its model
+
+    with pytest.raises(TypeError, match="set both `options` and `options_key`"):
+        arms.register(HalfDeclared)
+    assert not {"incomplete", "half"} & set(arms.names())
+
+
+def test_exactly_one_baseline_and_it_is_the_default_arm():
+    from nlq_scale.config.schema import ModelConfig
+
+    assert sum(a.baseline for a in arms.all_arms()) == 1
+    assert ModelConfig().arm == arms.baseline().name
+
+
+def test_no_arm_is_named_outside_its_own_module():
+    """Only an arm's module (and the registry's list of shipped modules) spells its name in quotes."""
+    package = REPO / "nlq_scale"
+    quoted = re.compile(r"""["'](%s)["']""" % "|".join(map(re.escape, arms.names())))
+    found = []
+    for path in package.rglob("*.py"):
+        if path.parent == package / "arms":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            # "linear" is also a learning-rate schedule and a fit's loss space, neither an arm.
+            if quoted.search(line) and not any(word in line for word in NOT_ARMS):
+                found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_renamed_and_retyped_keys_migrate():
+    from nlq_scale.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^config: model\.nlq: `rank` was renamed: use model\.nlq\.width$"):
+        case_config("nonlinear", ["model.nlq.rank=8"])
+    with pytest.raises(UsageError, match=r"model\.preproj\.width"):
+        case_config("preproj", ["model.preproj.rank=8"])
+    assert case_config("nonlinear", ["model.nlq.rank=null"]).model.nlq.width is None  # saved configs load
+    assert case_config("linear", ["model.qk_norm=true"]).model.qk_norm == "learned"
+    assert case_config("linear", ["model.qk_norm=false"]).model.qk_norm == "none"
+
+
+# ---------------------------------------------------------------- conformance, per arm and variant
+
+
+@pytest.mark.parametrize("arm, overrides", CASES)
+def test_logits_equal_the_reference(single_rank, arm, overrides):
+    from nlq_scale.model.reference import ReferenceGPT, load_into_megatron
+
+    cfg = case_config(arm, overrides)
+    model = build(cfg)
+    torch.manual_seed(0)
+    ref = ReferenceGPT(cfg.model)
+    load_into_megatron(model, ref)
+    tokens = tokens_for(cfg)
+    with torch.no_grad():
+        theirs = ref(tokens)
+    assert (logits(model, cfg, tokens) - theirs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arm, overrides", CASES)
+def test_accounting_and_weight_names_match_the_built_models(single_rank, arm, overrides):
+    from nlq_scale.model.reference import ReferenceGPT
+
+    cfg = case_config(arm, overrides)
+    m = cfg.model
+    a = arms.get(m.arm)
+    model, ref = build(cfg), ReferenceGPT(cfg.model)
+    counted = count_parameters(m)
+    assert sum(p.numel() for p in model.parameters()) == counted.total
+    assert sum(p.numel() for p in ref.parameters()) == counted.total
+
+    names = a.weight_names(m)
+    attention = dict(ref.blocks[0].attn.named_parameters())
+    query_path = {k: p for k, p in attention.items() if k.startswith("query.")}
+    assert sorted(w.reference for w in names) == sorted(query_path), "weight_names must list the query path"
+    assert sum(p.numel() for p in query_path.values()) == sum(a.query_params(m).values())
+    assert {w.reference: w.matrix for w in names} == {k: p.dim() >= 2 for k, p in query_path.items()}
+    assert len({w.export for w in names}) == len(names)
+    layer = {k.removeprefix("decoder.layers.0."): p for k, p in model.named_parameters() if k.startswith("decoder.layers.0.")}
+    assert {w.megatron for w in names} <= set(layer)
+
+
+@pytest.mark.parametrize("arm", arms.names())
+def test_planner_activation_memory_within_15_percent_of_measured(arm):
+    """Method: tests/memory_probe.py (torch.profiler's allocator events over a forward + backward of
+    the reference model, fp32, selective recompute since SDPA keeps no s^2). The shape keeps the
+    layers' activations ~10x the logits', so an arm's own term (nonlinear: ~15%) is visible."""
+    from nlq_scale.cluster.plan import Layout, memory_per_device
+    from tests.memory_probe import measure
+
+    cfg = load_run_config("cpu-xs", overrides=[f"model.arm={arm}", "parallel.recompute=selective", *LAYER_BOUND])
+    _, peak = measure(cfg)
+    layout = Layout(1, 1, 1, 1, 1, cfg.train.micro_batch_size, 1, "selective", False)
+    assert memory_per_device(cfg, layout).activations == pytest.approx(peak, rel=0.15)
+
+
+@pytest.mark.parametrize("arm", arms.names())
+def test_checkpoint_round_trip_gives_identical_logits(single_rank, arm, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    cfg = case_config(arm, VARIANTS["nobias-rmsqk"])
+    saved = build(cfg)
+    dist_checkpointing.save(saved.sharded_state_dict(), str(tmp_path))
+    loaded = build(cfg, seed=99)
+    tokens = tokens_for(cfg)
+    assert not torch.equal(logits(loaded, cfg, tokens), logits(saved, cfg, tokens))
+    loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), str(tmp_path)))
+    assert torch.equal(logits(loaded, cfg, tokens), logits(saved, cfg, tokens))
+
+
+@pytest.mark.slow
+def test_tp2_and_pp2_give_the_tp1_loss(tmp_path):
+    """Reference weights through megatron's pipeline schedule at TP=2 and PP=2 vs TP=1, for every
+    arm and two variants (TP=1 equals the reference by test_logits_equal_the_reference)."""
+    cases = [*arms.names()] + [
+        "|".join([arm, *VARIANTS[variant]]) for arm, variant in (("nonlinear", "nobias-rmsqk"), ("identity", "learnedqk-rope-gqa"))
+    ]
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        run_ranks("layout_loss.py", tp * pp, str(tp), str(pp), str(tmp_path / f"{tp}x{pp}.json"), *cases)
+    losses = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    base = losses.pop("1x1")
+    for layout, per_case in losses.items():
+        for case in cases:
+            assert abs(per_case[case] - base[case]) <= 1e-5 * base[case], (layout, case, per_case[case], base[case])
+
+
+def test_example_arm_conforms():
+    """docs/arms.md's example arm, registered from outside the package, passes the fast suite."""
+    assert EXAMPLE_ARM.read_text() in (REPO / "docs" / "arms.md").read_text(), "docs/arms.md shows the example file"
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-m", "not slow", "-k", "gain"],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=os.environ | {"NLQ_SCALE_ARMS": str(EXAMPLE_ARM)},
+    )
+    assert r.returncode == 0, r.stdout[-3000:]
+    passed = int(re.search(r"(\d+) passed", r.stdout).group(1))
+    assert passed >= 2 * len(VARIANTS) + 2, r.stdout[-1000:]

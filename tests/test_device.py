@@ -1,0 +1,190 @@
+"""The GPU path, checked on a CPU-only machine.
+
+- `runtime.device=cuda` without CUDA stops before any work (exit 2, one line, nothing written).
+- `runtime.check_device=true` keeps host and device tensors apart as CUDA does: the training paths
+  of both engines (TP, PP, DP, ZeRO stages, resume) pass under it, and putting back any one of the
+  device bugs the GPU path once had (a batch, positions or the model left on the host, a host tensor
+  in a collective) makes a run fail with a device-check error. Each mutation is applied to a copy of
+  the package, so the test runs the real code with exactly one line changed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nlq_scale.config.load import load_run_config
+from nlq_scale.errors import UsageError
+from nlq_scale.runtime.device import resolve_device
+from nlq_scale.runtime.device_check import DevicePlacementError, checking_devices
+from tests.conftest import REPO, nlq, read_metrics
+
+CHECKED = [
+    "train.steps=4", "train.warmup_steps=1", "train.eval_every=2", "checkpoint.every=2",
+    "logging.wandb=false", "runtime.check_device=true",
+]  # fmt: skip
+
+
+def train(run_dir: Path, data: Path, *extra: str, nproc: int = 1, package_root: Path = REPO, arm: str = "nonlinear"):
+    """`nlq-scale train` on the tiny scale, importing nlq_scale from `package_root`."""
+    args = ["train", "--scale", "cpu-xs", "--arm", arm, "--run-dir", str(run_dir), f"data.path={data}",
+            *CHECKED, *extra, "--nproc", str(nproc)]  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "nlq_scale.cli", *args], cwd=package_root, capture_output=True, text=True,
+        timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(package_root)},
+    )  # fmt: skip
+
+
+def test_cuda_asked_for_without_cuda_stops_before_any_work(sample_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    r = nlq("train", "--scale", "cpu-xs", "--arm", "linear", "--run-dir", str(run_dir),
+            f"data.path={sample_dataset}", "runtime.device=cuda")  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CUDA" in lines[0] and "runtime.device" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not run_dir.exists()
+
+
+def test_device_resolution_on_a_cpu_machine():
+    assert resolve_device("auto", 0).torch_device == torch.device("cpu")
+    assert resolve_device("cpu", 3).backend == "gloo"
+    with pytest.raises(UsageError, match="runtime.device=cuda: CUDA is not available"):
+        resolve_device("cuda", 0)
+
+
+def test_check_mode_catches_host_device_mixes_and_host_collectives():
+    import torch.distributed as dist
+
+    from nlq_scale.runtime.device import Device
+
+    device = Device(torch.device("cpu"))
+    with checking_devices():
+        weight = device.put(torch.randn(4, 4))
+        host = torch.randn(2, 4)
+        assert (device.put(host) @ weight).shape == (2, 4)
+        assert (weight * torch.tensor(2.0)).shape == (4, 4)  # a host scalar is fine, as on CUDA
+        with pytest.raises(DevicePlacementError, match="mixes host tensor"):
+            host @ weight
+        param = torch.nn.Parameter(torch.zeros(3))  # made on the host: stays a host tensor
+        with pytest.raises(DevicePlacementError):
+            param + device.tensor([1.0, 2.0, 3.0])
+        with pytest.raises(DevicePlacementError, match="all_reduce got host tensor"):
+            dist.all_reduce(torch.zeros(2))
+    assert (torch.randn(2, 4) @ torch.randn(4, 4)).shape == (2, 4)  # nothing left behind
+
+
+def test_fused_softmax_only_where_the_kernel_is_installed():
+    """bf16 on a GPU turned megatron's fused softmax on, whose CUDA extension was not installed."""
+    from nlq_scale.model.gpt import transformer_config
+    from nlq_scale.runtime.kernels import probe
+
+    cfg = load_run_config(scale="124m", arm="nonlinear", overrides=["model.bf16=true"])
+    tc = transformer_config(cfg.model, cfg.parallel, device=torch.device("cuda"))
+    assert tc.masked_softmax_fusion is probe().fused_softmax is False
+    assert tc.use_cpu_initialization is False  # on CUDA megatron creates its weights on the device
+
+
+def test_transformer_engine_is_refused_where_it_cannot_run(sample_dataset, tmp_path):
+    r = nlq("config", "show", "--scale", "cpu-xs", "--arm", "preproj", "model.transformer_impl=transformer_engine")
+    assert r.returncode == 2 and "cannot be built from the Transformer Engine spec" in r.stderr
+    r = nlq("train", "--scale", "cpu-xs", "--arm", "nonlinear", "--run-dir", str(tmp_path / "run"),
+            f"data.path={sample_dataset}", "model.transformer_impl=transformer_engine")  # fmt: skip
+    assert r.returncode == 2 and "pip install 'nlq-scale[gpu]'" in r.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra, nproc, resume",
+    [
+        (["parallel.tp=2"], 2, True),
+        (["parallel.pp=2"], 2, False),
+        (["train.engine=deepspeed", "train.zero_stage=1"], 2, True),
+        (["train.engine=deepspeed", "train.zero_stage=3"], 2, False),
+    ],
+    ids=["megatron-tp2-resume", "megatron-pp2", "deepspeed-zero1-dp2-resume", "deepspeed-zero3-dp2"],
+)
+def test_training_paths_pass_the_device_check(sample_dataset, tmp_path, extra, nproc, resume):
+    run_dir = tmp_path / "run"
+    r = train(run_dir, sample_dataset, *extra, nproc=nproc)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    if resume:  # drop the last checkpoint: the rerun resumes from step 2 under the check
+        shutil.rmtree(run_dir / "checkpoints" / "step_4")
+        r = train(run_dir, sample_dataset, *extra, nproc=nproc)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert any(m.get("event") == "resume" for m in read_metrics(run_dir))
+
+
+# One bug each, as the code had it before the runtime owned the device: (file, fixed line, bug).
+MUTATIONS = {
+    "batch-left-on-host": (
+        "train/feed.py",
+        "buf = self.device.put(tokens.contiguous()) if tokens is not None",
+        "buf = tokens.contiguous() if tokens is not None",
+    ),
+    "positions-left-on-host": (
+        "train/engine_megatron.py",
+        "self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))",
+        "self._positions = torch.arange(cfg.model.seq_length).unsqueeze(0)",
+    ),
+    "model-left-on-host": (
+        "train/engine_megatron.py",
+        "model = model.to(device.torch_device)",
+        "model = model",
+    ),
+    "deepspeed-positions-left-on-host": (
+        "train/engine_deepspeed.py",
+        "self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))",
+        "self._positions = torch.arange(cfg.model.seq_length).unsqueeze(0)",
+    ),
+    "host-flag-in-all-reduce": ("train/loop.py", "t = device.tensor([int(flag)])", "t = torch.tensor([int(flag)])"),
+    "host-loss-in-all-reduce": (
+        "train/engine_common.py",
+        "total = device.tensor([sum(values) / max(len(values), 1), float(contributes)], dtype=torch.float64)",
+        "total = torch.tensor([sum(values) / max(len(values), 1), float(contributes)], dtype=torch.float64)",
+    ),
+    "host-digests-in-all-gather": (
+        "data/loader.py",
+        "local = device.put(digests) if device is not None else digests",
+        "local = digests",
+    ),
+    "host-flags-in-feed-all-gather": (
+        "train/feed.py",
+        "self.device.tensor([int(_is_loader(self.layout))])",
+        "torch.tensor([int(_is_loader(self.layout))])",
+    ),
+    "host-buffer-in-feed-broadcast": (
+        "train/feed.py",
+        "else self.device.empty(shape, torch.int64)",
+        "else torch.empty(shape, dtype=torch.int64)",
+    ),
+}
+NEEDS = {
+    # With the distributed optimizer, megatron's DDP re-homes every parameter into its device-side
+    # buffer (param.data = view), on a GPU too: the bug bites with the plain optimizer.
+    "model-left-on-host": (["train.distributed_optimizer=false"], 1),
+    "deepspeed-positions-left-on-host": (["train.engine=deepspeed"], 1),
+    "host-flags-in-feed-all-gather": (["parallel.tp=2"], 2),
+    "host-buffer-in-feed-broadcast": (["parallel.tp=2"], 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_each_device_bug_put_back_fails_the_check(name, sample_dataset, tmp_path):
+    path, fixed, bug = MUTATIONS[name]
+    copy = tmp_path / "src"
+    shutil.copytree(REPO / "nlq_scale", copy / "nlq_scale", ignore=shutil.ignore_patterns("__pycache__"))
+    source = copy / "nlq_scale" / path
+    text = source.read_text()
+    assert text.count(fixed) == 1, f"{path} no longer has the line this mutation replaces: {fixed}"
+    source.write_text(text.replace(fixed, bug))
+    extra, nproc = NEEDS.get(name, ([], 1))
+    r = train(tmp_path / "run", sample_dataset, *extra, nproc=nproc, package_root=copy)
+    assert r.returncode != 0, f"{name}: the mutated run passed the device check"
+    assert "device check:" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]

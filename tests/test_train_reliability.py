@@ -1,0 +1,267 @@
+"""Checkpoints as untrusted data, a full disk during a save, retention, resuming after operational
+config changes, and the W&B mirror of a resumed run: on CPU at the tiny scale."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nlq_scale.errors import UsageError
+from nlq_scale.train.checkpoint import CheckpointDir
+from tests.conftest import last_by_step, nlq, read_metrics
+
+BASE = ["train.steps=6", "train.warmup_steps=2", "train.eval_every=3", "checkpoint.every=3", "checkpoint.keep=3"]
+
+
+def train(run_dir: Path, data: Path, *extra: str, engine: str = "megatron", env: dict | None = None):
+    return nlq("train", "--scale", "cpu-xs", "--arm", "nonlinear", "--run-dir", str(run_dir), f"data.path={data}",
+               *BASE, "logging.wandb=false", f"train.engine={engine}", *extra, env=env)  # fmt: skip
+
+
+def trained(run_dir: Path, data: Path, *extra: str, engine: str = "megatron", env: dict | None = None) -> Path:
+    r = train(run_dir, data, *extra, engine=engine, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir
+
+
+def error_line(stderr: str) -> str:
+    """The run's failure is its last stderr line, and no traceback comes before it."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return stderr.strip().splitlines()[-1]
+
+
+def reseal(ckpt: Path) -> None:
+    """Rewrite complete.json for the files now there, as a forger would: the checkpoint looks intact."""
+    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*"))
+             if p.is_file() and p.name != "complete.json"}  # fmt: skip
+    (ckpt / "complete.json").write_text(json.dumps({"step": int(ckpt.name[5:]), "files": files}))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, sample_dataset) -> Path:
+    """A 6-step megatron run with checkpoints at steps 3 and 6, trained straight through."""
+    return trained(tmp_path_factory.mktemp("ref") / "run", sample_dataset)
+
+
+def resumable_copy(reference: Path, dest: Path) -> Path:
+    """`reference` as if killed after its step-3 checkpoint."""
+    shutil.copytree(reference, dest)
+    shutil.rmtree(dest / "checkpoints" / "step_6")
+    status = json.loads((dest / "status.json").read_text()) | {"state": "running", "step": 4}
+    (dest / "status.json").write_text(json.dumps(status))
+    return dest
+
+
+# ---------------------------------------------------------------- retention
+
+
+def fake_checkpoints(root: Path, steps: list[int], complete: bool = True) -> None:
+    for step in steps:
+        ckpt = root / "checkpoints" / f"step_{step}"
+        ckpt.mkdir(parents=True)
+        if complete:
+            (ckpt / "complete.json").write_text(json.dumps({"step": step, "files": {}}))
+
+
+def kept(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (root / "checkpoints").glob("step_*"))
+
+
+def test_retention_keeps_the_last_k_and_every_mth(tmp_path):
+    fake_checkpoints(tmp_path, list(range(10, 101, 10)))
+    CheckpointDir(tmp_path, keep=2, keep_every=30)._prune(protect=tmp_path / "checkpoints" / "step_100")
+    assert kept(tmp_path) == [30, 60, 90, 100]
+
+
+def test_retention_never_deletes_the_only_loadable_checkpoint(tmp_path):
+    fake_checkpoints(tmp_path, [10, 20])
+    fake_checkpoints(tmp_path, [30, 40], complete=False)  # broken newer ones do not count
+    CheckpointDir(tmp_path, keep=1)._prune(protect=tmp_path / "checkpoints" / "step_20")
+    assert kept(tmp_path) == [20, 30, 40]
+
+
+# ---------------------------------------------------------------- resume after config changes
+
+
+def test_operational_changes_are_recorded_and_identity_changes_refused(tmp_path, sample_dataset):
+    from nlq_scale.config.load import load_run_config
+    from nlq_scale.train.rundir import claim
+
+    def cfg(*extra):
+        return load_run_config("cpu-xs", "linear", overrides=[f"data.path={sample_dataset}", *BASE, *extra])
+
+    run_dir = tmp_path / "run"
+    assert claim(run_dir, cfg()) is False
+    changed = cfg("checkpoint.every=2", "logging.wandb_mode=online", "train.micro_batch_size=2", "parallel.tp=2")
+    assert claim(run_dir, changed) is True
+    (entry,) = [json.loads(line) for line in (run_dir / "config-changes.jsonl").read_text().splitlines()]
+    assert entry["changes"] == {"checkpoint.every": [3, 2], "logging.wandb_mode": ["offline", "online"],
+                                "parallel.tp": [1, 2], "train.micro_batch_size": [4, 2]}  # fmt: skip
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["checkpoint"]["every"] == 2
+    before = (run_dir / "config.yaml").read_text()
+    for identity, key in (("train.lr=0.001", "train.lr"), ("train.global_batch_size=16", "train.global_batch_size"),
+                          ("seed=7", "seed"), ("train.warmup_steps=1", "train.warmup_steps")):  # fmt: skip
+        with pytest.raises(UsageError, match=f"different config \\({key}: ") as err:
+            claim(run_dir, cfg(identity))
+        assert "\n" not in str(err.value)
+    assert (run_dir / "config.yaml").read_text() == before
+    assert len((run_dir / "config-changes.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_resume_with_changed_operational_keys_continues(reference, sample_dataset, tmp_path):
+    run_dir = resumable_copy(reference, tmp_path / "changed")
+    refused = train(run_dir, sample_dataset, "train.lr=0.001")
+    assert refused.returncode == 2 and "train.lr" in error_line(refused.stderr)
+    trained(run_dir, sample_dataset, "checkpoint.every=2", "logging.tags=[changed]", "train.micro_batch_size=2")
+    changes = [json.loads(line)["changes"] for line in (run_dir / "config-changes.jsonl").read_text().splitlines()]
+    assert list(changes) == [{"checkpoint.every": [3, 2], "logging.tags": [[], ["changed"]],
+                              "train.micro_batch_size": [4, 2]}]  # fmt: skip
+    want, got = last_by_step(read_metrics(reference), "val/loss"), last_by_step(read_metrics(run_dir), "val/loss")
+    assert got.keys() == want.keys() == {3, 6}
+    assert abs(got[6] - want[6]) < 1e-4  # micro-batches of 2: another summation order
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+
+
+# ---------------------------------------------------------------- untrusted checkpoints
+
+
+class Payload:
+    """What a malicious checkpoint carries: unpickling it would create `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant_in_torch_file(path: Path, marker: Path) -> None:
+    state = torch.load(path, weights_only=False)  # our own test file: trusted here
+    state = state | {"payload": Payload(marker)} if isinstance(state, dict) else (state, Payload(marker))
+    torch.save(state, path)
+
+
+def plant_raw_pickle(path: Path, marker: Path) -> None:
+    path.write_bytes(pickle.dumps([Payload(marker), path.read_bytes()]))
+
+
+PLANTS = {
+    "trainer.pt": ("megatron", "trainer.pt", plant_in_torch_file),
+    "rng state": ("megatron", "rng/rank_0.pt", plant_in_torch_file),
+    "dcp metadata": ("megatron", ".metadata", plant_raw_pickle),
+    "megatron common.pt": ("megatron", "common.pt", plant_in_torch_file),
+    "deepspeed optimizer": ("deepspeed", "deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt", plant_in_torch_file),
+}
+
+
+@pytest.fixture(scope="module")
+def deepspeed_reference(tmp_path_factory, sample_dataset) -> Path:
+    return trained(tmp_path_factory.mktemp("ref-ds") / "run", sample_dataset, engine="deepspeed")
+
+
+def test_payload_really_runs_when_unpickled(tmp_path):
+    """The planted payload is live: a plain unpickling runs it (so the refusals below mean something)."""
+    marker = tmp_path / "ran"
+    pickle.loads(pickle.dumps(Payload(marker)))
+    assert marker.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", sorted(PLANTS))
+def test_checkpoint_carrying_code_is_refused_with_one_line(where, request, sample_dataset, tmp_path):
+    engine, rel, plant = PLANTS[where]
+    source = request.getfixturevalue("deepspeed_reference" if engine == "deepspeed" else "reference")
+    run_dir = resumable_copy(source, tmp_path / "run")
+    marker = tmp_path / "payload-ran"
+    ckpt = run_dir / "checkpoints" / "step_3"
+    plant(ckpt / rel, marker)
+    reseal(ckpt)
+    r = train(run_dir, sample_dataset, engine=engine)
+    line = error_line(r.stderr)
+    assert r.returncode == 2 and "refused: not plain checkpoint data" in line and str(ckpt) in line, r.stderr[-2000:]
+    assert not marker.exists()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "refused" in status["error"]
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 60 MB tmpfs: room for one checkpoint of the tiny megatron run, not two."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=60m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_save_fails_in_one_line_and_resumes_exactly(reference, sample_dataset, small_disk):
+    run_dir = small_disk / "run"
+    r = train(run_dir, sample_dataset, "checkpoint.keep=1")
+    line = error_line(r.stderr)
+    assert [ln for ln in r.stderr.splitlines() if not ln.startswith("[nlq-scale]")] == [line]  # nothing else said
+    partial = run_dir / "checkpoints" / ".tmp_step_6"
+    assert r.returncode == 1 and f"checkpoint {partial}: save failed: no space left on device" in line, r.stderr[-3000:]
+    assert not partial.exists()
+    assert CheckpointDir(run_dir, keep=1).problem(run_dir / "checkpoints" / "step_3") is None
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "no space left on device" in status["error"]
+
+    subprocess.run(["mount", "-o", "remount,size=200m", str(small_disk)], check=True)
+    trained(run_dir, sample_dataset, "checkpoint.keep=1")
+    a, b = read_metrics(reference), read_metrics(run_dir)
+    for key in ("train/loss", "val/loss", "data/hash"):
+        assert last_by_step(b, key) == last_by_step(a, key), key
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_6"]
+
+
+# ---------------------------------------------------------------- W&B after a resume
+
+
+def wandb_segments(run_dir: Path) -> list[dict]:
+    """Each offline W&B segment of the run: its branch point (a rewind) and its history, read back
+    with `wandb leet inspect`."""
+    import sys
+
+    segments = []
+    for path in sorted((run_dir / "wandb").glob("offline-run-*")):
+        out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
+                             capture_output=True, text=True, timeout=300, check=True).stdout  # fmt: skip
+        records = [json.loads(line) for line in out.splitlines()]
+        run = next(r["run"] for r in records if r.get("type") == "run")
+        history = [r["history"]["item"] for r in records if r.get("type") == "history"]
+        segments.append({"branch": (run.get("branch_point") or {}).get("value"), "history": history})
+    return segments
+
+
+@pytest.mark.slow
+def test_wandb_run_of_a_resumed_run_has_each_step_once(sample_dataset, tmp_path):
+    secret = "0123456789abcdef0123456789abcdef01234567"  # a W&B API key in the environment
+    env = {"WANDB_API_KEY": secret}
+    run_dir = trained(tmp_path / "run", sample_dataset, "logging.wandb=true", env=env)
+    shutil.rmtree(run_dir / "checkpoints" / "step_6")  # as if killed after logging step 6, before its save
+    trained(run_dir, sample_dataset, "logging.wandb=true", env=env)
+    first, second = wandb_segments(run_dir)
+    assert first["branch"] is None and second["branch"] == 3
+    rewound = [h for h in first["history"] if h["_step"] <= second["branch"]] + second["history"]
+    steps = [h["_step"] for h in rewound]
+    assert steps == sorted(set(steps)) == list(range(1, 7))
+    truth = last_by_step(read_metrics(run_dir), "train/loss")
+    assert {h["_step"]: h["train/loss"] for h in rewound} == truth
+    leaked = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not leaked
