@@ -16,7 +16,7 @@ from typing import Any
 
 from nlq_scale.errors import RunFailure, UsageError
 
-PARTS = ("config", "model", "data", "train", "cluster", "analysis", "quickstart", "doctor")
+PARTS = ("config", "model", "data", "train", "cluster", "analysis", "quickstart", "doctor", "export")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -26,11 +26,25 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps an epilog's example lines as written; adds an option's default where it has one to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class SubcommandParser(OneLineParser):
     """`train --scale S key=value --run-dir D key=value`: positionals (the overrides) on both sides of
     options. argparse matches a positional list only where it starts, so sub-commands parse
     intermixed (the top-level parser calls parse_known_args on them, and
     parse_known_intermixed_args calls it back: hence the guard)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         # A command with verbs of its own (`config show`) leaves intermixing to its verbs.
@@ -46,6 +60,7 @@ class SubcommandParser(OneLineParser):
 def build_parser() -> argparse.ArgumentParser:
     from nlq_scale import __version__
     from nlq_scale.config.load import CONFIG_PATH_ENV
+    from nlq_scale.runtime.quiet import VERBOSE_ENV
 
     parser = OneLineParser(prog="nlq-scale", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"nlq-scale {__version__}")
@@ -57,12 +72,31 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a directory of your own scales/, arms/, sweeps/, clusters/ (searched before the shipped "
         f"ones; repeatable; also ${CONFIG_PATH_ENV})",
     )
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"show the library warnings (megatron, torch.distributed, DeepSpeed, streaming) that are "
+                             f"hidden by default (sets ${VERBOSE_ENV} for the processes started from here)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
     for part in PARTS:
         name = f"nlq_scale.{part}.cli"
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name).add_commands(sub)
+    _name_known_configs(sub)
     return parser
+
+
+def _name_known_configs(sub: argparse._SubParsersAction) -> None:
+    """Every command's --scale and --arm help lists the names it accepts (shipped ones and those of the
+    config path in the environment), verbs of a command (`config show`) included."""
+    from nlq_scale.config.load import available
+
+    for command in sub.choices.values():
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _name_known_configs(action)
+            kind = {"scale": "scales", "arm": "arms"}.get(action.dest)
+            if kind and "known:" not in (action.help or ""):
+                known = f"known: {', '.join(available(kind))}"
+                action.help = f"{action.help} ({known})" if action.help else known
 
 
 def emit_json(obj: Any) -> None:
@@ -82,11 +116,13 @@ def _add_config_dirs(dirs: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nlq_scale.runtime.quiet import quiet_libraries
+    from nlq_scale.runtime.quiet import VERBOSE_ENV, quiet_libraries
 
-    quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # through the environment, to ranks and submitted jobs
+    quiet_libraries()
     try:
         _add_config_dirs(args.config_dir)
         return int(args.func(args) or 0)

@@ -1,6 +1,7 @@
-"""Builds run directories that follow the train contract (DESIGN.md; config.yaml from the real
-RunConfig, manifest accounting from nlq_scale.model.accounting, status.json, metrics.jsonl) from
-synthetic loss curves with a known ground truth, for the analysis tests."""
+"""Builds run directories that follow the train contract (docs/training.md, "The run directory as
+written"; config.yaml from the real RunConfig, manifest accounting from nlq_scale.model.accounting,
+status.json, metrics.jsonl) from synthetic loss curves with a known ground truth, for the analysis
+tests."""
 
 from __future__ import annotations
 

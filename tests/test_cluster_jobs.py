@@ -7,6 +7,7 @@ The real train loop runs through the same path in tests/test_cluster_slurm.py.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -51,8 +52,10 @@ def toy_train(cfg: RunConfig, run_dir: Path) -> str:
     import torch.distributed as dist
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    # A peer that never arrives fails the job in 2 minutes, not torch's default 30 (which holds both
+    # emulated nodes and starves every test queued behind it).
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     stop = {"sig": 0}
     previous = {s: signal.signal(s, lambda n, f: stop.update(sig=n))
                 for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)}
@@ -156,6 +159,16 @@ def test_received_signals_sees_signals_caught_by_other_handlers():
         assert not submitit_handles(signal.SIGUSR2)  # outside a submitit job nothing may be re-raised
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_job_rendezvous_port_is_shared_by_its_tasks_and_below_the_ephemeral_range():
+    from nlq_scale.runtime.dist import job_master_port
+
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {job: job_master_port(job) for job in [str(i) for i in range(2000)] + ["8_0", "8_1", "1234_17"]}
+    assert all(1024 < p < ephemeral_low for p in ports.values())
+    assert job_master_port("8_0") == ports["8_0"] != ports["8_1"]  # array tasks: each its own port
+    assert len(set(ports.values())) > 1800  # spread: concurrent jobs on one node rarely meet
 
 
 def test_train_job_pickles_config_not_objects(tmp_path):

@@ -22,7 +22,7 @@ from nlq_scale.train.rundir import STALE_FLOOR_S, Status, is_stale
 from tests.test_cluster_jobs import planned, toy_loss, toy_train
 from tests.conftest import nlq
 from tests.test_cluster_slurm import (  # noqa: F401 - fixtures: the session's local SLURM and dataset
-    START, events, one_arm_sweep, prepared_data, slurm_cluster, submit_real, wait_done, wait_step,
+    START, events, local_slurm, one_arm_sweep, prepared_data, slurm_cluster, submit_real, wait_done, wait_step,
 )
 
 

@@ -34,7 +34,7 @@ TERMINAL = {"completed", "failed", "diverged", "dead"}
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster():
+def local_slurm():
     """The local cluster, started through its script; stopped again only if this session started it."""
     state_dir = Path(os.environ.get("NLQ_SLURM_STATE", "/var/lib/nlq-slurm"))
     conf = state_dir / "slurm.conf"
@@ -49,6 +49,22 @@ def slurm_cluster():
         subprocess.run(["bash", str(STOP)], capture_output=True, timeout=120)
 
 
+def queued_jobs() -> set[str]:
+    """Job ids (array ids for arrays) this cluster still holds, pending or running."""
+    out = subprocess.run(["squeue", "-h", "-o", "%F"], capture_output=True, text=True, timeout=60).stdout
+    return set(out.split())
+
+
+@pytest.fixture
+def slurm_cluster(local_slurm):
+    """The cluster for one test: jobs the test leaves queued or running are cancelled afterwards, so a
+    failing test cannot hold the two nodes and starve every test after it."""
+    before = queued_jobs()
+    yield local_slurm
+    if leftover := queued_jobs() - before:
+        subprocess.run(["scancel", *sorted(leftover)], capture_output=True, timeout=60)
+
+
 def submit_toy(runs, root: Path, sweep: str = "test-two-arm") -> list[dict]:
     decisions = executors.decide(runs, root, retry_failed=False)
     return executors.submit(decisions, load_cluster("local-slurm"), "slurm", root, sweep, train_fn=toy_train)
@@ -61,11 +77,19 @@ def events(run_dir: Path) -> list[dict]:
 def wait_done(run_dirs: list[Path], timeout: float = 300) -> dict[Path, str]:
     states = wait_states(run_dirs, TERMINAL, timeout)
     if not all(s in TERMINAL for s in states.values()):
-        queue = subprocess.run(["squeue", "-o", "%i %P %T %R"], capture_output=True, text=True).stdout
-        logs = {d.name: Path(executors.read_json(d / "job.json").get("log", "/nonexistent")) for d in run_dirs}
-        tails = {k: p.read_text()[-2000:] if p.exists() else "no log" for k, p in logs.items()}
-        pytest.fail(f"runs did not finish: {states}\nsqueue:\n{queue}\nlogs: {tails}")
+        pytest.fail(f"runs did not finish: {states}\n{cluster_view(run_dirs)}")
     return states
+
+
+def cluster_view(run_dirs: list[Path]) -> str:
+    """What a failed wait needs to be understood from CI output alone: the queue, the nodes, job logs."""
+    def run(*cmd: str) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+
+    logs = {d.name: Path(executors.read_json(d / "job.json").get("log", "/nonexistent")) for d in run_dirs}
+    tails = {k: p.read_text()[-3000:] if p.exists() else "no log" for k, p in logs.items()}
+    return (f"squeue:\n{run('squeue', '-o', '%i %P %T %R %M')}\nsinfo:\n{run('sinfo', '-N', '-o', '%N %T %E')}\n"
+            f"status: {[executors.read_json(d / 'status.json') for d in run_dirs]}\nlogs: {tails}")
 
 
 def preempt_with_urgent_job() -> None:
@@ -77,7 +101,8 @@ def preempt_with_urgent_job() -> None:
 def wait_step(run_dir: Path, step: int, timeout: float = 180) -> None:
     deadline = time.time() + timeout
     while executors.read_json(run_dir / "status.json").get("step", 0) < step:
-        assert time.time() < deadline, f"{run_dir.name} never reached step {step}"
+        if time.time() > deadline:
+            pytest.fail(f"{run_dir.name} never reached step {step}\n{cluster_view([run_dir])}")
         time.sleep(0.3)
 
 

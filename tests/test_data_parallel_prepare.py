@@ -13,7 +13,7 @@ import pytest
 
 from nlq_scale.cli import main
 from tests.conftest import nlq
-from tests.test_cluster_slurm import slurm_cluster  # noqa: F401  (the session fixture)
+from tests.test_cluster_slurm import local_slurm, slurm_cluster  # noqa: F401  (the cluster fixtures)
 from tests.test_data_helpers import documents, write_jsonl, write_pile
 from tests.test_data_prepare import DOCS, FORMATS, SEQ, run, tree
 

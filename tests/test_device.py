@@ -155,8 +155,8 @@ MUTATIONS = {
     ),
     "host-flags-in-feed-all-gather": (
         "train/feed.py",
-        "self.device.tensor([int(_is_loader(self.layout))])",
-        "torch.tensor([int(_is_loader(self.layout))])",
+        "self.device.tensor([int(_is_loader(self.world))])",
+        "torch.tensor([int(_is_loader(self.world))])",
     ),
     "host-buffer-in-feed-broadcast": (
         "train/feed.py",

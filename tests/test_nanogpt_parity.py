@@ -1,7 +1,10 @@
 """The nonlinear-query authors' model, exactly: their code is nanoGPT with bias=False (LayerNorms
 without bias, no linear biases, learned positions, tied or untied embeddings) with four query
 modes. `AuthorsGPT` below re-states its module shapes and forward pass (their CausalSelfAttention,
-MLP, Block and GPT), so the test can count their parameters and run their forward pass.
+MLP, Block and GPT), so the test can count their parameters and run their forward pass. It also
+states the per-head variant of residual_gelu that the public GPT-3 Large (760M) audit of their code
+added (`per_head_norm`: anchor and correction RMS-normed per head, the correction's gain reusing the
+output LayerNorm's weight, scale not halved), our `nonlinear-ph` arm.
 
 With model.norm_bias=false our arms have their parameter counts at 124M to the parameter, and
 our megatron model gives their logits on their weights."""
@@ -29,6 +32,7 @@ MODES = {
     "identity": "identity-untied",
     "residual": "residual",
     "residual_gelu": "nonlinear",
+    "residual_gelu-ph": "nonlinear-ph",
     "original-mlp4.75": "linear-mlp4.75",
 }
 OURS = ["model.norm_bias=false"]
@@ -45,6 +49,7 @@ class AuthorsConfig:
     query_mode: str
     tie_weights: bool
     scale: float
+    per_head_norm: bool = False
 
 
 class BiasFreeLayerNorm(nn.Module):
@@ -54,6 +59,15 @@ class BiasFreeLayerNorm(nn.Module):
 
     def forward(self, x):
         return F.layer_norm(x, self.weight.shape, self.weight, None, 1e-5)
+
+
+def per_head_rms(t, nh: int, weight=None):
+    """The audit's _ph_rms / _ph_rms_w: RMS over each head's channels (eps 1e-5), times an optional
+    (C,) gain read as (nh, C // nh)."""
+    B, T, C = t.shape
+    t = t.view(B, T, nh, C // nh)
+    t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5)
+    return (t if weight is None else t * weight.view(1, 1, nh, C // nh)).view(B, T, C)
 
 
 class AuthorsAttention(nn.Module):
@@ -80,7 +94,10 @@ class AuthorsAttention(nn.Module):
             q = x
             if mode == "residual_gelu":
                 f = self.residual_out(F.gelu(self.residual_in(self.residual_rmsnorm_input(x))))
-                q = x + self.residual_layernorm_output(f)
+                if self.c.per_head_norm:
+                    q = per_head_rms(x, nh) + per_head_rms(f, nh, self.residual_layernorm_output.weight)
+                else:
+                    q = x + self.residual_layernorm_output(f)
         q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.c.scale)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
@@ -124,10 +141,14 @@ class AuthorsGPT(nn.Module):
 
 def authors_config(mode: str, n_layer: int, num_heads: int, n_embd: int, block_size: int, vocab_size: int) -> AuthorsConfig:
     query_mode, _, mlp = mode.partition("-mlp")
-    halved = query_mode in ("identity", "residual_gelu")  # their runs halve the scale for these modes
+    per_head = query_mode.endswith("-ph")
+    query_mode = query_mode.removesuffix("-ph")
+    # their runs halve the scale for these modes; the audit's per-head variant does not
+    halved = query_mode in ("identity", "residual_gelu") and not per_head
     return AuthorsConfig(
         n_layer, num_heads, n_embd, block_size, vocab_size, int(float(mlp or 4) * n_embd), query_mode,
         tie_weights=query_mode != "identity", scale=1 / math.sqrt(n_embd // num_heads) / (2 if halved else 1),
+        per_head_norm=per_head,
     )
 
 
@@ -164,7 +185,8 @@ def copy_authors_weights(ref, theirs: AuthorsGPT, arm) -> None:
                 f"{a}.query.norm_in.weight": their.attn.residual_rmsnorm_input.weight,
                 f"{a}.query.f.up.weight": their.attn.residual_in.weight,
                 f"{a}.query.f.down.weight": their.attn.residual_out.weight,
-                f"{a}.query.norm_out.weight": their.attn.residual_layernorm_output.weight,
+                f"{a}.query.{'head_norm_gain' if their.attn.c.per_head_norm else 'norm_out.weight'}":
+                    their.attn.residual_layernorm_output.weight,
             }
     params = dict(ref.named_parameters())
     assert sorted(own) == sorted(params)

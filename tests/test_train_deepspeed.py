@@ -10,6 +10,7 @@ import math
 import pytest
 
 from tests.conftest import run_ranks
+from tests.faults import nan_loss
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +89,8 @@ def test_poisoned_step_reports_nan(single_rank):
     engine = s.deepspeed_engine(cfg)
     clean, dirty = s.batches(cfg, 2, seed=0)
     assert math.isfinite(engine.train_step(clean).loss)
-    engine.poison_next_loss()
-    poisoned = engine.train_step(dirty)
+    with nan_loss():
+        poisoned = engine.train_step(dirty)
     assert math.isnan(poisoned.loss) and not math.isfinite(poisoned.grad_norm)
 
 
@@ -105,16 +106,16 @@ def test_not_a_deepspeed_checkpoint_is_a_usage_error(single_rank, tmp_path):
         engine.load(tmp_path)
 
 
-def test_which_layouts_load_without_conversion():
-    from nlq_scale.train.engine_deepspeed import _Layout
+def test_which_shardings_load_without_conversion():
+    from nlq_scale.train.engine_deepspeed import _Sharding
 
-    zero1 = _Layout(dp=2, tp=1, zero_stage=1, bf16=False)
+    zero1 = _Sharding(dp=2, tp=1, zero_stage=1, bf16=False)
     assert zero1.loads_plainly(zero1)
-    assert not _Layout(dp=1, tp=1, zero_stage=1, bf16=False).loads_plainly(zero1)
-    assert not _Layout(dp=2, tp=1, zero_stage=2, bf16=False).loads_plainly(zero1)
-    zero0 = _Layout(dp=2, tp=1, zero_stage=0, bf16=False)
-    assert _Layout(dp=1, tp=1, zero_stage=0, bf16=False).loads_plainly(zero0)  # replicated optimizer
-    assert not _Layout(dp=1, tp=2, zero_stage=0, bf16=False).loads_plainly(zero0)
+    assert not _Sharding(dp=1, tp=1, zero_stage=1, bf16=False).loads_plainly(zero1)
+    assert not _Sharding(dp=2, tp=1, zero_stage=2, bf16=False).loads_plainly(zero1)
+    zero0 = _Sharding(dp=2, tp=1, zero_stage=0, bf16=False)
+    assert _Sharding(dp=1, tp=1, zero_stage=0, bf16=False).loads_plainly(zero0)  # replicated optimizer
+    assert not _Sharding(dp=1, tp=2, zero_stage=0, bf16=False).loads_plainly(zero0)
 
 
 def test_config_batch_arithmetic():

@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+from nlq_scale import arms
 from nlq_scale.errors import UsageError
 from nlq_scale.train.checkpoint import CheckpointDir
 from tests.conftest import last_by_step, nlq, read_metrics
@@ -114,6 +115,26 @@ def test_operational_changes_are_recorded_and_identity_changes_refused(tmp_path,
         assert "\n" not in str(err.value)
     assert (run_dir / "config.yaml").read_text() == before
     assert len((run_dir / "config-changes.jsonl").read_text().splitlines()) == 1
+
+
+def test_option_sections_of_arms_a_run_does_not_use_are_not_its_identity(tmp_path, sample_dataset):
+    """A run dir saved before an arm with options was registered lacks that arm's section: it still
+    resumes. The section of the arm the run uses stays identity."""
+    from nlq_scale.config.load import load_run_config
+    from nlq_scale.train.rundir import claim
+
+    def cfg(*extra):
+        return load_run_config("cpu-xs", "nonlinear", overrides=[f"data.path={sample_dataset}", *BASE, *extra])
+
+    run_dir = tmp_path / "run"
+    claim(run_dir, cfg())
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    unused = next(a.options_key for a in arms.all_arms() if a.options_key and a.options_key != "nlq")
+    del saved["model"][unused]  # as written before that arm existed
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    assert claim(run_dir, cfg()) is True
+    with pytest.raises(UsageError, match=r"different config \(model\.nlq\.width: "):
+        claim(run_dir, cfg("model.nlq.width=8"))
 
 
 @pytest.mark.slow

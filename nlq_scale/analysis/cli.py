@@ -10,7 +10,8 @@ from nlq_scale.errors import RunFailure, UsageError
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("import-csv", help="turn a CSV training log into a run directory")
+    p = sub.add_parser("import-csv", help="turn a CSV training log into a run directory",
+                       epilog="example:\n  nlq-scale import-csv log.csv --arm nonlinear --scale 124m --seed 1 --out runs/imported")
     p.add_argument("file", type=Path, help="CSV with columns step, val_loss [, train_loss, tokens]")
     p.add_argument("--arm", required=True, help="arm label, e.g. linear, nonlinear, linear-mlp4.75")
     p.add_argument("--scale", required=True)
@@ -21,7 +22,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="root; the run goes to OUT/imported/<run_id>/")
     p.set_defaults(func=_import_csv)
 
-    p = sub.add_parser("compare", help="compare arms across scales: statistics, fits, report")
+    p = sub.add_parser("compare", help="compare arms across scales: statistics, fits, report",
+                       epilog="example:\n  nlq-scale compare runs/quickstart/smoke --reference linear --out report")
     p.add_argument("roots", nargs="+", help="run-directory roots, W&B run dirs/.wandb files, or wandb:ENTITY/PROJECT")
     p.add_argument("--reference", help="reference arm (default: linear if present)")
     p.add_argument("--out", type=Path, help="report directory (default: ROOT/report)")
@@ -39,7 +41,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wandb-project", default="nlq-scale")
     p.set_defaults(func=_compare)
 
-    p = sub.add_parser("fit", help="Chinchilla approach-3 fit L(N, D) = E + A/N^a + B/D^b from a CSV")
+    p = sub.add_parser("fit", help="Chinchilla approach-3 fit L(N, D) = E + A/N^a + B/D^b from a CSV",
+                       epilog="example:\n  nlq-scale fit --csv runs.csv --params-col N --tokens-col D --loss-col loss")
     p.add_argument("--csv", type=Path, required=True)
     p.add_argument("--params-col", required=True)
     cols = p.add_mutually_exclusive_group(required=True)

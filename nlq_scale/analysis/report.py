@@ -60,6 +60,7 @@ def summary(comp: Comparison, plots: dict[str, str] | None = None) -> dict[str, 
         "multipliers": [_multiplier_row(m) for m in comp.multipliers],
         "trends": [_trend_row(t) for t in comp.trends],
         "findings": findings(comp),
+        "limits": limits(comp),
         "plots": plots or {},
     }
 
@@ -174,6 +175,51 @@ def findings(comp: Comparison) -> list[str]:
     return out
 
 
+SMALL_N = 10_000_000  # non-embedding parameters: below this, a "model" is a pipeline check, not evidence at scale
+FEW_SEEDS = 5  # a bootstrap over fewer seeds cannot be wider than their spread: a rough interval
+
+
+def limits(comp: Comparison) -> list[str]:
+    """In plain words, what these runs can and cannot conclude: seeds per cell, the parameter range,
+    how many scales a trend rests on, and what the intervals exclude."""
+    cells = list(comp.cells.values())
+    if not cells:
+        return ["No arm x scale cell has a finished run: nothing can be concluded yet."]
+    out = []
+    n_min, n_max = min(c.n for c in cells), max(c.n for c in cells)
+    seeds = f"{n_min}" if n_min == n_max else f"{n_min} to {n_max}"
+    if n_min < 2:
+        out.append(f"{seeds} seed(s) per arm and scale: a cell with one seed has no interval, and any difference "
+                   "there may be seed noise alone. Run at least 2 seeds (better 3-5) per arm and scale.")
+    elif n_min < FEW_SEEDS:
+        out.append(f"{seeds} seeds per arm and scale: the intervals are rough (a bootstrap over so few seeds "
+                   "understates the uncertainty); a gap whose interval only just excludes zero is a hint, not a result.")
+    else:
+        out.append(f"{seeds} seeds per arm and scale: the intervals account for seed-to-seed variation.")
+    params = sorted({r.params for c in cells for r in c.runs if r.params})
+    if params:
+        span = f"{_g(params[0], '.3g')} to {_g(params[-1], '.3g')} non-embedding parameters"
+        if params[-1] < SMALL_N:
+            out.append(f"The models span {span}: tiny models that check the pipeline end to end and show the sign "
+                       "of the gap at this size only. They cannot say whether the gap holds, grows or vanishes at "
+                       "124M parameters and beyond; that needs the GPU ladder.")
+        else:
+            out.append(f"The models span {span}; nothing here extrapolates beyond the largest.")
+    n_scales = len(comp.scales)
+    if n_scales < 3:
+        out.append(f"{n_scales} scale(s): too few for a trend with scale (a line through two points has no error).")
+    else:
+        out.append(f"{n_scales} scales: a trend with scale rests on {n_scales} points, so only a clear slope "
+                   "is distinguishable from zero.")
+    excluded = [g for g in comp.gaps if g.improvement_pct.ci is not None and (g.improvement_pct.ci[0] > 0
+                                                                              or g.improvement_pct.ci[1] < 0)]
+    with_ci = [g for g in comp.gaps if g.improvement_pct.ci is not None]
+    if with_ci:
+        out.append(f"{len(excluded)} of {len(with_ci)} arm-vs-{comp.reference} gaps with an interval exclude zero "
+                   f"at {comp.options.level:.0%}; the others cannot tell the arms apart.")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # report.md
 
@@ -200,6 +246,8 @@ def markdown(comp: Comparison, plots: dict[str, str]) -> str:
         f"the running best. Positive improvement = lower loss than {comp.reference}. See docs/analysis.md.",
         "## Findings",
         "\n".join(f"- {line}" for line in findings(comp)),
+        "## What these runs can and cannot conclude",
+        "\n".join(f"- {line}" for line in limits(comp)),
         "## Final validation loss per arm x scale",
         _cells_table(comp),
     ]

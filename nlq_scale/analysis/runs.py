@@ -23,13 +23,12 @@ import yaml
 from nlq_scale.config.load import build_run_config
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
+from nlq_scale.train.rundir import STATES, STATUS_FILE
 
 METRICS = "metrics.jsonl"
-STATUS = "status.json"
 VAL_KEY = "val/loss"
 TRAIN_KEY = "train/loss"
 WANDB_PREFIX = "wandb:"
-RUN_STATES = ("pending", "running", "preempted", "diverged", "completed", "failed")
 # W&B's run states (wandb.apis.public.Run.state) in the run directory's vocabulary.
 WANDB_STATES = {"finished": "completed", "failed": "failed", "crashed": "failed", "killed": "failed"}
 
@@ -126,7 +125,7 @@ def _run_paths(root: Path) -> Iterator[tuple[Path, bool]]:
 
 def _is_run_dir(filenames: list[str]) -> bool:
     """metrics.jsonl, or (pending, or failed before its first record) config.yaml + status.json."""
-    return METRICS in filenames or {"config.yaml", STATUS} <= set(filenames)
+    return METRICS in filenames or {"config.yaml", STATUS_FILE} <= set(filenames)
 
 
 def _reject_duplicates(runs: list[Run]) -> None:
@@ -157,7 +156,7 @@ def load_run_dir(path: Path) -> Run:
         raise UsageError(f"{cfg_path}: expected a mapping")
     cfg = build_run_config(raw_cfg, str(cfg_path))
     manifest = _read_json(path / "manifest.json", required=False) or {}
-    status = _read_json(path / STATUS, required=False) or {}
+    status = _read_json(path / STATUS_FILE, required=False) or {}
     state = str(status.get("state") or "unknown")
     records = read_metrics(path / METRICS) if (path / METRICS).is_file() else []
     return build_run(cfg, records, state, manifest, source=str(path), run_id=cfg.name or path.name)
@@ -346,7 +345,7 @@ def _wandb_row(item: dict[str, Any]) -> dict[str, Any]:
 
 def _wandb_state(run_summary: dict[str, Any], wandb_state: Any, exit_code: Any = None) -> str:
     """The train loop's own final state (it writes summary["state"]), else W&B's run state."""
-    if run_summary.get("state") in RUN_STATES:
+    if run_summary.get("state") in STATES:
         return str(run_summary["state"])
     state = str(wandb_state or "unknown").lower()
     if state == "finished" and exit_code not in (None, 0):

@@ -62,7 +62,7 @@ def _load_plugin(ref: str) -> ModuleType:
 
 
 # The shipped arms, one module each in this package; a new arm adds its module's name here.
-SHIPPED = ("linear", "identity", "nonlinear", "preproj", "residual")
+SHIPPED = ("linear", "identity", "nonlinear", "nonlinear_ph", "preproj", "residual")
 # Arms kept outside the package, registered at import: comma-separated modules or .py files.
 PLUGINS_ENV = "NLQ_SCALE_ARMS"
 

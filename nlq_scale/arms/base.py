@@ -73,6 +73,18 @@ def query_width(m: ModelConfig) -> int:
     return m.num_attention_heads * m.head_dim
 
 
+def export_recipe(
+    x: float = 0.0,
+    q_proj: bool = False,
+    q_mlp: dict | None = None,
+    pre: dict | None = None,
+    skip: bool = False,
+    x_head_rms: bool = False,
+) -> dict:
+    """An `Arm.export_query` value with every key present."""
+    return {"x": x, "x_head_rms": x_head_rms, "q_proj": q_proj, "q_mlp": q_mlp, "pre": pre, "skip": skip}
+
+
 def linear_names(m: ModelConfig, reference: str, megatron: str, export: str) -> list[WeightName]:
     """A linear layer's weight (and bias with model.add_bias_linear) under its three names."""
     names = [WeightName(f"{reference}.weight", f"{megatron}.weight", f"{export}.weight", True)]
@@ -107,6 +119,9 @@ class Arm(ABC):
     # False where megatron's Transformer Engine spec cannot express the arm (e.g. TE fuses the block's
     # input norm into linear_qkv, so an arm that reshapes x between that norm and Q/K/V cannot use it).
     transformer_engine: ClassVar[bool] = True
+    # The query mode of the nonlinear-query authors' nanoGPT (bias=False) that this arm is with
+    # model.norm_bias=false, at the same attention (None: none is).
+    nanogpt_mode: ClassVar[str | None] = None
 
     def settings(self, m: ModelConfig) -> Any:
         """This arm's option section of the model config."""
@@ -161,6 +176,25 @@ class Arm(ABC):
     def weight_names(self, m: ModelConfig) -> list[WeightName]:
         """Every parameter of the query path (reference <-> megatron <-> export)."""
 
+    def export_query(self, m: ModelConfig) -> dict | None:
+        """How the exported model (nlq_scale.export) composes this arm's query path from the modules
+        its `weight_names` export names hold, as plain JSON for the exported config (`export_recipe`):
+        - x: weight of x in q (x_head_rms: of x divided by each head's RMS);
+        - q_proj: add attn.q_proj(x);
+        - q_mlp {weight, width, activation, out_norm}: add weight * norm_out(down(act(up(norm_in x))))
+          from attn.q_mlp (out_norm "layernorm"; "head_rms_gain": head_norm_gain times the per-head
+          RMS-normed value instead);
+        - pre {width, activation}: Q/K/V see x + down(act(up(norm x))) from attn.pre;
+        - skip: add attn.skip(that input) to the attention output.
+        None: the arm cannot be exported."""
+        return None
+
+    def nanogpt_names(self, m: ModelConfig) -> dict[str, str]:
+        """The nonlinear-query authors' nanoGPT attention parameters of this arm's query path, by
+        their name within the attention -> our `WeightName.export` name (see `nanogpt_mode`); "c_attn.q"
+        means the query rows of their fused c_attn."""
+        return {}
+
     def hidden_matrices(self, m: ModelConfig) -> list[str]:
         return [w.reference for w in self.weight_names(m) if w.matrix]
 
@@ -170,6 +204,23 @@ class Arm(ABC):
 
 def inverse_sqrt_head_dim(m: ModelConfig) -> float:
     return 1.0 / math.sqrt(m.head_dim)
+
+
+class MLPArm(Arm):
+    """An arm whose query path holds an MLP d -> width -> d (options: a `QueryMLPOptions`), at the
+    stock attention scale."""
+
+    def width(self, m: ModelConfig) -> int:
+        return self.settings(m).width_for(m)
+
+    def softmax_scale(self, m: ModelConfig) -> float:
+        return inverse_sqrt_head_dim(m)
+
+    def query_mlp_params(self, m: ModelConfig) -> dict[str, int]:
+        """The query MLP's accounting: RMSNorm (d) -> W1 (d -> width) -> act -> W2 (width -> d)."""
+        d, r = m.hidden_size, self.width(m)
+        return {"nlq_rmsnorm": norm_params(m, d, "RMSNorm"), "nlq_w1": linear_params(m, d, r),
+                "nlq_w2": linear_params(m, r, d)}
 
 
 REQUIRED_ATTRIBUTES = ("name", "summary", "fused_qkv")

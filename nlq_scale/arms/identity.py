@@ -3,12 +3,13 @@ an identity query is not learned to be small)."""
 
 from __future__ import annotations
 
-from nlq_scale.arms.base import Arm, inverse_sqrt_head_dim
+from nlq_scale.arms.base import Arm, export_recipe, inverse_sqrt_head_dim
 
 
 class Identity(Arm):
     name = "identity"
     summary = "q = x (no query weights)"
+    nanogpt_mode = "identity"  # their scale is halved too
     fused_qkv = False
     query_is_hidden_width = True
 
@@ -33,6 +34,9 @@ class Identity(Arm):
         from torch import nn
 
         return nn.Identity()
+
+    def export_query(self, m):
+        return export_recipe(x=1.0)
 
     def weight_names(self, m):
         return []

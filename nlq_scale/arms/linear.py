@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from nlq_scale.arms.base import Arm, inverse_sqrt_head_dim, linear_names, linear_params, query_width
+from nlq_scale.arms.base import Arm, export_recipe, inverse_sqrt_head_dim, linear_names, linear_params, query_width
 
 
 class Linear(Arm):
     name = "linear"
     summary = "q = x W_Q (standard attention)"
     baseline = True
+    nanogpt_mode = "original"
     fused_qkv = True
     sequence_parallel = True
 
@@ -28,6 +29,12 @@ class Linear(Arm):
         from torch import nn
 
         return nn.Linear(m.hidden_size, query_width(m), bias=m.add_bias_linear)
+
+    def export_query(self, m):
+        return export_recipe(q_proj=True)
+
+    def nanogpt_names(self, m):
+        return {"c_attn.q": "attn.q_proj.weight"}
 
     def weight_names(self, m):
         return linear_names(m, "query", "self_attention.linear_qkv", "attn.q_proj")

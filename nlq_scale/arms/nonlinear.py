@@ -11,11 +11,10 @@ from functools import cache
 from pydantic import Field
 
 from nlq_scale.arms.base import (
-    Arm,
+    MLPArm,
     QueryMLPOptions,
-    inverse_sqrt_head_dim,
+    export_recipe,
     linear_names,
-    linear_params,
     norm_names,
     norm_params,
 )
@@ -68,29 +67,18 @@ def _modules():
     return NonlinearQuery, ReferenceNonlinearQuery
 
 
-class Nonlinear(Arm):
+class Nonlinear(MLPArm):
     name = "nonlinear"
     summary = "q = (x + LN(W2 act(W1 RMSNorm x)))/2"
     options = NonlinearQueryConfig
     options_key = "nlq"
+    nanogpt_mode = "residual_gelu"  # their x + LN(f(x)) at half scale is this at mix 1/2
     fused_qkv = False
     query_is_hidden_width = True
 
-    def width(self, m) -> int:
-        return self.settings(m).width_for(m)
-
-    def softmax_scale(self, m):
-        return inverse_sqrt_head_dim(m)
-
     def query_params(self, m):
         # RMSNorm (d) -> W1 (d -> r) -> act -> W2 (r -> d) -> LayerNorm: +3d vs linear at r = d/2 (+2d without norm bias).
-        d, r = m.hidden_size, self.width(m)
-        return {
-            "nlq_rmsnorm": norm_params(m, d, "RMSNorm"),
-            "nlq_w1": linear_params(m, d, r),
-            "nlq_w2": linear_params(m, r, d),
-            "nlq_layernorm": norm_params(m, d, "LayerNorm"),
-        }
+        return self.query_mlp_params(m) | {"nlq_layernorm": norm_params(m, m.hidden_size, "LayerNorm")}
 
     def activation_elements(self, m, tokens):
         # RMSNorm output and W2 output (full vectors on every rank); W1 and activation outputs (split).
@@ -113,6 +101,19 @@ class Nonlinear(Arm):
 
         o = self.settings(m)
         return _modules()[1](m.hidden_size, self.width(m), o.activation, o.mix, m.add_bias_linear, m.norm_bias, EPS)
+
+    def export_query(self, m):
+        o = self.settings(m)
+        mlp = {"weight": 1.0 - o.mix, "width": self.width(m), "activation": o.activation, "out_norm": "layernorm"}
+        return export_recipe(x=o.mix, q_mlp=mlp)
+
+    def nanogpt_names(self, m):
+        return {
+            "residual_rmsnorm_input.weight": "attn.q_mlp.norm_in.weight",
+            "residual_in.weight": "attn.q_mlp.up.weight",
+            "residual_out.weight": "attn.q_mlp.down.weight",
+            "residual_layernorm_output.weight": "attn.q_mlp.norm_out.weight",
+        }
 
     def weight_names(self, m):
         q, mq, ex = "query", "self_attention.query", "attn.q_mlp"

@@ -8,9 +8,9 @@ from functools import cache
 from pydantic import Field
 
 from nlq_scale.arms.base import (
-    Arm,
+    MLPArm,
     QueryMLPOptions,
-    inverse_sqrt_head_dim,
+    export_recipe,
     linear_names,
     linear_params,
     norm_names,
@@ -87,7 +87,7 @@ def _modules():
     return PreprojAttention, PreprojSubmodules, ReferencePreprojQuery
 
 
-class Preproj(Arm):
+class Preproj(MLPArm):
     name = "preproj"
     summary = "x' = x + W_down act(W_up RMSNorm x) feeds Q/K/V; + W_skip x' after attention"
     options = PreprojConfig
@@ -95,12 +95,6 @@ class Preproj(Arm):
     fused_qkv = True
     # Its MLP acts on the normalised input before Q/K/V; TE normalises inside linear_qkv.
     transformer_engine = False
-
-    def width(self, m) -> int:
-        return self.settings(m).width_for(m)
-
-    def softmax_scale(self, m):
-        return inverse_sqrt_head_dim(m)
 
     def query_params(self, m):
         d, r = m.hidden_size, self.width(m)
@@ -132,6 +126,10 @@ class Preproj(Arm):
         return _modules()[2](
             m.hidden_size, query_width(m), self.width(m), o.activation, m.add_bias_linear, o.skip_init_std, EPS
         )
+
+    def export_query(self, m):
+        o = self.settings(m)
+        return export_recipe(q_proj=True, pre={"width": self.width(m), "activation": o.activation}, skip=True)
 
     def weight_names(self, m):
         a = "self_attention"

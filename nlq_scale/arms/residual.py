@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from nlq_scale.arms.base import Arm, inverse_sqrt_head_dim, linear_names, linear_params, query_width
+from nlq_scale.arms.base import Arm, export_recipe, inverse_sqrt_head_dim, linear_names, linear_params, query_width
 
 
 @cache
@@ -44,6 +44,7 @@ def _modules():
 class Residual(Arm):
     name = "residual"
     summary = "q = x + x W_Q"
+    nanogpt_mode = "residual"
     fused_qkv = False
     query_is_hidden_width = True
 
@@ -65,6 +66,12 @@ class Residual(Arm):
 
     def reference_query(self, m):
         return _modules()[1](m.hidden_size, m.add_bias_linear)
+
+    def export_query(self, m):
+        return export_recipe(x=1.0, q_proj=True)
+
+    def nanogpt_names(self, m):
+        return {"c_attn.q": "attn.q_proj.weight"}
 
     def weight_names(self, m):
         return linear_names(m, "query.linear_q", "self_attention.query.linear_q", "attn.q_proj")

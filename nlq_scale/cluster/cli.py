@@ -1,4 +1,4 @@
-"""Sub-commands `plan`, `submit` and `status` (kept light: heavy imports happen in the handlers)."""
+"""Sub-commands `plan`, `submit`, `status` and `cancel` (kept light: heavy imports happen in the handlers)."""
 
 from __future__ import annotations
 
@@ -8,35 +8,63 @@ from pathlib import Path
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    from nlq_scale.config.load import available
+
+    sweeps, clusters = ", ".join(available("sweeps")), ", ".join(available("clusters"))
     p = sub.add_parser("plan", help="resources, memory and cost per run of a sweep",
-                       usage="nlq-scale plan SWEEP [key=value ...] [--cluster CLUSTER] [--json]")
-    _sweep_and_overrides(p)
-    p.add_argument("--cluster", help="cluster file (or a name in configs/clusters); default: the sweep's")
-    p.add_argument("--json", action="store_true")
+                       usage="nlq-scale plan SWEEP [key=value ...] [--cluster CLUSTER] [--json]",
+                       epilog="example:\n  nlq-scale plan ladder --cluster example-8x80gb")
+    _sweep_and_overrides(p, sweeps)
+    _cluster(p, clusters)
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("submit", help="submit a sweep's runs (idempotent: finished runs are skipped)",
                        usage="nlq-scale submit SWEEP [key=value ...] [--root DIR] [--cluster CLUSTER] "
-                             "[--executor {slurm,local}] [--dry-run] [--retry-failed] [--retry-stale] "
-                             "[--stale-after SECONDS] [--json]")
-    _sweep_and_overrides(p)
+                             "[--executor {slurm,local}] [--only PATTERN] [--dry-run] [--retry-failed] "
+                             "[--retry-stale] [--stale-after SECONDS] [--json]",
+                       epilog="example:\n  nlq-scale submit ladder --root /scratch/nlq data.path=/data/owt-2048 "
+                              "--only '124m-*' --dry-run")
+    _sweep_and_overrides(p, sweeps)
     p.add_argument("--root", help="run root (default: the sweep's root, else ./runs)")
-    p.add_argument("--cluster", help="cluster file (or a name in configs/clusters); default: the sweep's")
+    _cluster(p, clusters)
     p.add_argument("--executor", choices=("slurm", "local"), default="slurm",
-                   help="slurm: queue job arrays; local: run the jobs one by one on this machine")
+                   help="slurm: queue job arrays; local: run the jobs one by one on this machine (exit 1 when "
+                        "one does not complete)")
+    p.add_argument("--only", action="append", metavar="PATTERN",
+                   help="only the runs whose id matches this shell pattern, e.g. '124m-*' or '*-nonlinear-s1234-*' "
+                        "(repeatable; run ids: <scale>-<arm>-s<seed>-lr<lr>)")
     p.add_argument("--dry-run", action="store_true", help="print what would be submitted, submit nothing")
     p.add_argument("--retry-failed", action="store_true", help="also resubmit runs whose state is failed")
     p.add_argument("--retry-stale", action="store_true",
                    help="also resubmit stale runs (running, no heartbeat for too long), cancelling their job first")
     _stale_after(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("status", help="one row per run: state, progress, loss, job, error")
+    p = sub.add_parser("status", help="one row per run: state, progress, loss, job, error",
+                       epilog="example:\n  nlq-scale status /scratch/nlq/ladder --watch 60")
     p.add_argument("root", help="run root, sweep dir or run dir")
     _stale_after(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", type=float, nargs="?", const=WATCH_EVERY_S, metavar="SECONDS",
+                   help=f"redraw every SECONDS (default {WATCH_EVERY_S:g}) until no run is queued or running")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("cancel", help="cancel the live jobs (SLURM or local) of every run under a sweep dir",
+                       epilog="example:\n  nlq-scale cancel /scratch/nlq/ladder --dry-run")
+    p.add_argument("root", metavar="SWEEP_ROOT", help="sweep dir (ROOT/SWEEP), run root or run dir")
+    p.add_argument("--dry-run", action="store_true", help="list the jobs that would be cancelled")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.set_defaults(func=cmd_cancel)
+
+
+WATCH_EVERY_S = 30.0
+LIVE_STATES = ("submitted", "pending", "running")  # states that change without a new submit
+
+
+def _cluster(p: argparse.ArgumentParser, known: str) -> None:
+    p.add_argument("--cluster", help=f"cluster file, or a name among: {known} (default: the sweep's)")
 
 
 def _stale_after(p: argparse.ArgumentParser) -> None:
@@ -45,9 +73,9 @@ def _stale_after(p: argparse.ArgumentParser) -> None:
                         "at least 300 s)")
 
 
-def _sweep_and_overrides(p: argparse.ArgumentParser) -> None:
+def _sweep_and_overrides(p: argparse.ArgumentParser, known: str) -> None:
     p.add_argument("items", nargs="+", metavar="SWEEP",
-                   help="sweep file (or a name in configs/sweeps), then config overrides for every run")
+                   help=f"sweep file, or a name among: {known}; then key=value config overrides for every run")
 
 
 def _load(args: argparse.Namespace):
@@ -108,11 +136,12 @@ def _columns(head: tuple, rows: list[tuple]) -> list[str]:
 def cmd_submit(args: argparse.Namespace) -> int:
     from nlq_scale.cli import emit_json
     from nlq_scale.cluster.executors import decide_and_submit
-    from nlq_scale.cluster.plan import plan_sweep
+    from nlq_scale.cluster.plan import check_launchable, plan_sweep
     from nlq_scale.cluster.sweep import check_prepared_data
 
     sweep, cluster = _load(args)
-    runs = plan_sweep(sweep, cluster, args.overrides)
+    runs = _only(plan_sweep(sweep, cluster, args.overrides), args.only, sweep.name)
+    check_launchable(runs)
     check_prepared_data(r.spec for r in runs)
     root = Path(args.root or sweep.root or "runs").resolve()
     decisions, records = decide_and_submit(runs, root, sweep.name, cluster, args.executor, dry_run=args.dry_run,
@@ -129,6 +158,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"sweep": sweep.name, "root": str(root), "dry_run": args.dry_run, "executor": args.executor,
                    "runs": rows})
+        _fail_unless_completed(records, root / sweep.name, args.executor)
         return 0
     verb = "would submit" if args.dry_run else "submitted"
     head = ("run", "action", "job", "nodes x tasks", "reason")
@@ -137,7 +167,38 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print("\n".join(_columns(head, body)))
     print(f"{verb} {n_todo} of {len(rows)} runs of sweep {sweep.name} ({args.executor}) under {root}",
           file=sys.stderr)
+    _fail_unless_completed(records, root / sweep.name, args.executor)
     return 0
+
+
+def _only(runs: list, patterns: list[str] | None, sweep: str) -> list:
+    from fnmatch import fnmatchcase
+
+    from nlq_scale.errors import UsageError
+
+    if not patterns:
+        return runs
+    kept = [r for r in runs if any(fnmatchcase(r.spec.run_id, p) for p in patterns)]
+    if not kept:
+        ids = [r.spec.run_id for r in runs]
+        shown = ", ".join(ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
+        raise UsageError(f"--only {' '.join(patterns)}: matches none of sweep {sweep}'s runs ({shown})")
+    return kept
+
+
+def _fail_unless_completed(records: list[dict], sweep_dir: Path, executor: str) -> None:
+    """Local runs ended here: one that did not complete makes the command fail (exit 1)."""
+    from nlq_scale.train.rundir import read_status
+    from nlq_scale.errors import RunFailure
+
+    if executor != "local" or not records:
+        return
+    bad = [(r["run_id"], read_status(sweep_dir / r["run_id"]).get("state") or "no status")
+           for r in records]
+    bad = [f"{run} ({state})" for run, state in bad if state != "completed"]
+    if bad:
+        raise RunFailure(f"{len(bad)} of {len(records)} local runs did not complete: {', '.join(bad)} "
+                         f"(nlq-scale status {sweep_dir})")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -148,9 +209,58 @@ def cmd_status(args: argparse.Namespace) -> int:
     root = Path(args.root)
     if not root.is_dir():
         raise UsageError(f"{root}: no such directory")
+    if args.watch is not None:
+        return _watch(root.resolve(), args.stale_after, args.watch)
     rows = collect(root.resolve(), args.stale_after)
     if args.json:
         emit_json({"root": str(root.resolve()), "runs": rows})
     else:
         print(format_table(rows))
+    return 0
+
+
+def _watch(root: Path, stale_s: float | None, every_s: float) -> int:
+    """Redraw the table (in place on a terminal) until no run is queued or running; Ctrl-C stops it."""
+    import time
+
+    from nlq_scale.cluster.status import collect, format_table
+
+    clear = "\033[H\033[J" if sys.stdout.isatty() else ""
+    try:
+        while True:
+            rows = collect(root, stale_s)
+            print(f"{clear}{time.strftime('%H:%M:%S')}  {root}\n{format_table(rows)}", flush=True)
+            if not any(r["state"] in LIVE_STATES for r in rows):
+                return 0
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from nlq_scale.cli import emit_json
+    from nlq_scale.cluster.executors import JOB_FILE, cancel_job, job_liveness, read_json
+    from nlq_scale.cluster.status import find_run_dirs
+    from nlq_scale.errors import UsageError
+
+    root = Path(args.root).resolve()
+    if not root.is_dir():
+        raise UsageError(f"{args.root}: no such directory")
+    dirs = [d for d in find_run_dirs(root) if (d / JOB_FILE).exists()]
+    alive = job_liveness(dirs)
+    unknown = [d.name for d in dirs if alive.get(d) is None]
+    if unknown:
+        raise UsageError(f"cannot ask the scheduler about the jobs of {', '.join(unknown)} (no squeue here)")
+    live = [d for d in dirs if alive.get(d)]
+    rows = [{"run": d.name, "job_id": read_json(d / JOB_FILE)["job_id"]} for d in live]
+    if not args.dry_run:
+        for d in live:
+            cancel_job(read_json(d / JOB_FILE))
+    if args.json:
+        emit_json({"root": str(root), "dry_run": args.dry_run, "cancelled": rows})
+    else:
+        verb = "would cancel" if args.dry_run else "cancelled"
+        for row in rows:
+            print(f"{verb} {row['run']} (job {row['job_id']})")
+        print(f"{verb} {len(rows)} of {len(dirs)} submitted runs under {root}", file=sys.stderr)
     return 0

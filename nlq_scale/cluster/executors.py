@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
-import json
 import os
 import signal
 import shutil
@@ -29,8 +28,10 @@ from typing import Iterable, Iterator, Literal
 
 
 from nlq_scale.cluster.plan import ClusterConfig, Layout, PlannedRun
+from nlq_scale.compat import submitit as submitit_compat
 from nlq_scale.errors import RunFailure, UsageError
-from nlq_scale.train.rundir import claim, heartbeat_age, is_stale, stale_after, write_json
+from nlq_scale.train.rundir import claim, heartbeat_age, is_stale, read_status, stale_after, write_json
+from nlq_scale.train.rundir import read_current as read_json  # job.json, read as status.json is
 
 ExecutorKind = Literal["slurm", "local"]
 JOB_FILE = "job.json"
@@ -41,15 +42,6 @@ LIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", 
 
 
 # ---------------------------------------------------------------- reading run dirs
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, json.JSONDecodeError):
-        return {}  # a file being replaced right now reads as absent; the next look sees it
 
 
 def slurm_queue_states(job_ids: Iterable[str]) -> dict[str, str] | None:
@@ -73,7 +65,7 @@ def local_job_alive(job_id: str) -> bool:
         cmdline = Path(f"/proc/{int(job_id)}/cmdline").read_bytes()
     except (OSError, ValueError):
         return False
-    return b"submitit.local._local" in cmdline
+    return submitit_compat.LOCAL_CONTROLLER_MODULE.encode() in cmdline
 
 
 def job_liveness(run_dirs: Iterable[Path]) -> dict[Path, bool | None]:
@@ -133,7 +125,7 @@ def decide(
 def _decide_one(
     run: PlannedRun, run_dir: Path, alive: bool | None, retry_failed: bool, retry_stale: bool, stale_s: float | None
 ) -> Decision:
-    status = read_json(run_dir / "status.json")
+    status = read_status(run_dir)
     state = status.get("state")
     job = read_json(run_dir / JOB_FILE)
     if state == "completed":
@@ -197,6 +189,9 @@ def make_executor(kind: ExecutorKind, folder: Path, cluster: ClusterConfig, layo
         "slurm_account": cluster.account,
         "slurm_qos": cluster.qos,
         "slurm_constraint": cluster.constraint,
+        "slurm_exclusive": cluster.exclusive or None,
+        "slurm_gres": cluster.gres,
+        "slurm_exclude": cluster.exclude,
         "slurm_signal_delay_s": cluster.signal_delay_s,
         "slurm_array_parallelism": cluster.array_parallelism,
         "slurm_setup": cluster.setup or None,
@@ -205,7 +200,7 @@ def make_executor(kind: ExecutorKind, folder: Path, cluster: ClusterConfig, layo
         # Preemption with PreemptMode=REQUEUE and `scontrol requeue` need a requeueable job.
         "slurm_additional_parameters": {"requeue": True},
     }
-    if cluster.device == "gpu":
+    if cluster.device == "gpu" and cluster.gres is None:
         params["gpus_per_node"] = cluster.gpus_per_node
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
     return executor
@@ -303,15 +298,17 @@ def _launch(submission):
     try:
         with submitit.helpers.clean_env():  # a submission from inside a job must not inherit its SLURM env
             return submission()
-    except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError,
-            submitit.core.utils.FailedSubmissionError, OSError) as e:
+    except (subprocess.CalledProcessError, *submitit_compat.submission_errors(), OSError) as e:
         raise RunFailure(f"submission failed: {e}") from e
 
 
 def _wait_local(job, decision: Decision) -> None:
     print(f"running {decision.run.spec.run_id} locally (job {job.job_id}, log {job.paths.stderr})",
           file=sys.stderr, flush=True)
+    from nlq_scale.cluster.progress import ProgressLine
+
+    line = ProgressLine(decision.run.spec.run_id, decision.run_dir)
     while not job.done():
+        line.update()
         time.sleep(1.0)
-    state = read_json(decision.run_dir / "status.json").get("state")
-    print(f"{decision.run.spec.run_id}: {state or 'no status'}", file=sys.stderr, flush=True)
+    line.finish(read_status(decision.run_dir).get("state") or "no status")

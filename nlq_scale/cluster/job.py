@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import submitit
-from submitit.core.job_environment import SignalHandler
 
+from nlq_scale.compat import submitit as submitit_compat
 from nlq_scale.config.schema import RunConfig
 
 TrainFn = Callable[[RunConfig, Path], str]
@@ -53,7 +53,7 @@ class ReceivedSignals:
 
 def submitit_handles(sig: int) -> bool:
     """True inside a submitit job whose preemption handler is (again) installed for sig."""
-    return isinstance(getattr(signal.getsignal(sig), "__self__", None), SignalHandler)
+    return submitit_compat.is_job_handler(signal.getsignal(sig))
 
 
 class TrainJob(submitit.helpers.Checkpointable):
@@ -69,12 +69,16 @@ class TrainJob(submitit.helpers.Checkpointable):
         self.train_fn = train_fn
 
     def __call__(self) -> str:
+        from nlq_scale.runtime.dist import job_master_port
+
         env = submitit.JobEnvironment()
+        # submitit would draw the port from 20000-60000, mostly inside the ephemeral range.
+        os.environ["MASTER_PORT"] = str(job_master_port(env.job_id))
         # The runtime picks its device from LOCAL_RANK, so every GPU of the node stays visible.
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         cfg = RunConfig.model_validate(self.config)
         train = self.train_fn or _train_run()
-        preempt_signal = env._usr_sig()
+        preempt_signal = submitit_compat.preemption_signal(env)
         with ReceivedSignals() as received:
             state = train(cfg, Path(self.run_dir))
         print(f"nlq-scale job {env.job_id} rank {env.global_rank}: {state}", file=sys.stderr, flush=True)

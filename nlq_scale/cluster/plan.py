@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Iterable, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError
@@ -50,10 +49,14 @@ class ClusterConfig(Strict):
     overhead_gb: float = Field(2.0, ge=0.0, description="fixed per device: CUDA context, NCCL buffers")
     peak_tflops: PositiveFloat = Field(description="dense bf16 peak per device (TFLOP/s)")
     assumed_mfu: float = Field(0.4, gt=0.0, le=1.0, description="for the GPU-hour estimate")
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
+    partition: str | None = Field(None, description="sbatch --partition; None = the cluster's default")
+    account: str | None = Field(None, description="sbatch --account")
+    qos: str | None = Field(None, description="sbatch --qos")
+    constraint: str | None = Field(None, description="sbatch --constraint, e.g. 'a100-80gb'")
+    exclusive: bool = Field(False, description="sbatch --exclusive: no other job shares a run's nodes")
+    gres: str | None = Field(None, description="sbatch --gres, e.g. 'gpu:8', where the cluster asks for GPUs "
+                                                "that way (then --gpus-per-node is not sent)")
+    exclude: str | None = Field(None, description="sbatch --exclude: nodes never to use, e.g. 'node[07,12]'")
     time_limit_min: PositiveInt = Field(60 * 24, description="per job; longer runs requeue (checkpointed)")
     cpus_per_task: PositiveInt | None = None
     mem_gb: PositiveFloat | None = Field(None, description="host memory per node to request")
@@ -392,6 +395,17 @@ def plan_sweep(sweep: SweepConfig, cluster: ClusterConfig, cli_overrides: Iterab
             raise UsageError(f"run {spec.run_id} cannot fit cluster {cluster.name}: {plan.reason}")
         out.append(PlannedRun(spec, plan, apply_layout(spec.cfg, plan.layout, spec.run_id, cluster)))
     return out
+
+
+def check_launchable(runs: Iterable[PlannedRun]) -> None:
+    """What `train`'s preflight refuses about a planned layout, found at submit time instead of in a
+    queued job: the world size must split into tp x pp x dp, the global batch into micro-batches
+    of every DP rank, and the fixed validation set into DP ranks' micro-batches."""
+    for run in runs:
+        try:
+            run.cfg.check_world(run.plan.layout.world_size)
+        except ValueError as e:
+            raise UsageError(f"run {run.spec.run_id}: layout: {e}") from None
 
 
 def totals(plans: list[RunPlan]) -> dict:

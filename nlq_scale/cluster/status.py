@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from nlq_scale.cluster.executors import JOB_FILE, job_liveness, read_json
-from nlq_scale.train.rundir import heartbeat_age, is_stale
+from nlq_scale.compat import submitit as submitit_compat
+from nlq_scale.train.rundir import heartbeat_age, is_stale, read_status
 
 MARKERS = ("status.json", JOB_FILE, "config.yaml")
 COLUMNS = ("run", "state", "step", "tokens", "val_loss", "job", "nodes", "elapsed", "error")
@@ -64,9 +65,7 @@ def job_error(job: dict) -> str | None:
     """The error submitit pickled for task 0 of the job, as its last traceback line."""
     if not job.get("folder") or not job.get("job_id"):
         return None
-    from submitit.core.utils import JobPaths
-
-    path = JobPaths(job["folder"], job_id=job["job_id"], task_id=0).result_pickle
+    path = submitit_compat.result_pickle(job["folder"], job["job_id"])
     try:
         with path.open("rb") as f:
             outcome, payload = _BuiltinsOnly(f).load()
@@ -79,7 +78,7 @@ def job_error(job: dict) -> str | None:
 
 
 def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None = None) -> dict[str, Any]:
-    status = read_json(run_dir / "status.json")
+    status = read_status(run_dir)
     job = read_json(run_dir / JOB_FILE)
     state = status.get("state")
     error = status.get("error")

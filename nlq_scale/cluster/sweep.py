@@ -172,6 +172,8 @@ class RunSpec:
 
 def load_sweep(path: str | Path) -> SweepConfig:
     path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"sweep file {path} not found (known: {', '.join(available('sweeps'))})")
     raw = read_yaml(path)
     try:
         sweep = SweepConfig.model_validate(raw)

@@ -177,7 +177,6 @@ class TrainConfig(Strict):
     log_every: PositiveInt = Field(10, description="progress line every N steps (metrics.jsonl gets every step)")
     device_peak_flops: PositiveFloat | None = Field(None, description="per device; enables mfu")
     divergence: DivergenceConfig = DivergenceConfig()
-    nan_at_step: PositiveInt | None = Field(None, description="test hook: poison the loss at this step")
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:
@@ -273,3 +272,15 @@ class RunConfig(Strict):
                 f"micro_batch_size*dp ({per_step})"
             )
         return self.train.global_batch_size // per_step
+
+    def check_world(self, world_size: int) -> None:
+        """What a launch at `world_size` ranks needs (ValueError otherwise): tp x pp x dp ranks, the
+        global batch in micro-batches of every DP rank, the fixed val set in DP ranks' micro-batches."""
+        dp = self.data_parallel_size(world_size)
+        self.grad_accum_steps(world_size)
+        per_step = dp * self.train.micro_batch_size
+        if self.data.val_sequences % per_step:
+            raise ValueError(
+                f"data.val_sequences ({self.data.val_sequences}) must be a multiple of "
+                f"dp*micro_batch_size ({dp}*{self.train.micro_batch_size} = {per_step})"
+            )

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nlq_scale.compat.torch import stop_loader_workers
 from nlq_scale.config.schema import DataConfig
 from nlq_scale.data.prepared import CorruptShard, PreparedDataset, ensure_decompressed, open_prepared, verify_shard
 from nlq_scale.errors import RunFailure, UsageError
@@ -137,9 +138,7 @@ class TrainLoader:
 
     def _stop_iterating(self) -> None:
         batches, self._batches = self._batches, None
-        shutdown = getattr(batches, "_shutdown_workers", None)  # worker processes, if any
-        if shutdown is not None:
-            shutdown()
+        stop_loader_workers(batches)
 
     def state_dict(self) -> dict[str, Any]:
         return {"format": STATE_FORMAT, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, **self._identity}

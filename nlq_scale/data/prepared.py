@@ -115,9 +115,9 @@ def _check_present(shard: Shard) -> None:
 
 
 def _xxh64(data: bytes) -> str:
-    from streaming.base.hashing import get_hash  # the writer's own hash; callers imported streaming
+    from nlq_scale.compat.streaming import xxh64  # the writer's own hash; callers imported streaming
 
-    return get_hash("xxh64", data)
+    return xxh64(data)
 
 
 def verify_bytes(data: bytes, file: ShardFile) -> None:

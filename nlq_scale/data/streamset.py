@@ -30,24 +30,19 @@ import shutil
 import socket
 import tempfile
 import time
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import streaming.base.dataset as streaming_dataset
-import streaming.base.shared.prefix as streaming_prefix
 from streaming import Stream, StreamingDataset
-from streaming.base.constant import BARRIER_FILELOCK, LOCALS, SHM_TO_CLEAN
-from streaming.base.shared.memory import SharedMemory
 
+from nlq_scale.compat import streaming as streaming_compat
 from nlq_scale.data.prepared import PreparedDataset, ShardFile, verify_shard
 
 SHM_DIR = Path("/dev/shm")
 OWNER = "owner.json"
 PREFIX_RETRIES = 50
-_NO_COLLECTIVES = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: False)
 
 
 class CheckedStreamingDataset(StreamingDataset):
@@ -65,16 +60,6 @@ class CheckedStreamingDataset(StreamingDataset):
             verify_shard(self._shard_files[shard_id])
             self._verified.add(shard_id)
         return super().get_item(sample_id, retry)
-
-
-@contextlib.contextmanager
-def _swapped(obj: Any, name: str, value: Any) -> Iterator[None]:
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, saved)
 
 
 @contextlib.contextmanager
@@ -98,10 +83,7 @@ def standalone_construction(dp_rank: int, dp_size: int, private_tmp: Path) -> It
     env = {"RANK": str(dp_rank), "WORLD_SIZE": str(dp_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     with contextlib.ExitStack() as stack:
         stack.enter_context(_environment(env))
-        stack.enter_context(_swapped(tempfile, "tempdir", str(private_tmp)))
-        stack.enter_context(_swapped(streaming_dataset, "dist", _NO_COLLECTIVES))
-        stack.enter_context(_swapped(streaming_prefix, "dist", _NO_COLLECTIVES))
-        stack.enter_context(_swapped(streaming_dataset, "maybe_init_dist", lambda: False))
+        stack.enter_context(streaming_compat.standalone(private_tmp))
         yield
 
 
@@ -122,7 +104,7 @@ def _process_start(pid: int) -> str | None:
 
 
 def _segment(prefix: int, name: str) -> Path:
-    return SHM_DIR / f"{prefix:06}_{name}"
+    return SHM_DIR / streaming_compat.segment_name(prefix, name)
 
 
 def _inode(path: Path) -> int | None:
@@ -138,11 +120,11 @@ def _reclaim(private: Path) -> None:
         owner = json.loads((private / OWNER).read_text())
     except (OSError, ValueError):
         owner = None
-    if owner is not None and _inode(_segment(owner["prefix"], LOCALS)) == owner["locals_inode"]:
-        for name in SHM_TO_CLEAN:
-            if name != LOCALS:
-                _segment(owner["prefix"], name).unlink(missing_ok=True)
-        _segment(owner["prefix"], LOCALS).unlink(missing_ok=True)
+    locals_segment = streaming_compat.LOCALS_SEGMENT
+    if owner is not None and _inode(_segment(owner["prefix"], locals_segment)) == owner["locals_inode"]:
+        for name in streaming_compat.SEGMENT_NAMES - {locals_segment}:
+            _segment(owner["prefix"], name).unlink(missing_ok=True)
+        _segment(owner["prefix"], locals_segment).unlink(missing_ok=True)
     shutil.rmtree(private, ignore_errors=True)
 
 
@@ -171,15 +153,6 @@ def private_dir(tmp_dir: Path, dp_rank: int) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{_host()}.{os.getpid()}.dp{dp_rank}.", dir=root))
 
 
-def _owned_shared_memory(obj: Any, depth: int = 3) -> Iterator[SharedMemory]:
-    """Streaming's SharedMemory wrappers reachable from the dataset (scalars, arrays, barrier)."""
-    for value in list(vars(obj).values()):
-        if isinstance(value, SharedMemory):
-            yield value
-        elif depth and type(value).__module__.startswith("streaming.base.shared"):
-            yield from _owned_shared_memory(value, depth - 1)
-
-
 @dataclass
 class Ownership:
     private: Path
@@ -187,13 +160,13 @@ class Ownership:
 
     @classmethod
     def record(cls, private: Path, dataset: StreamingDataset) -> Ownership:
-        prefix = dataset._shm_prefix_int  # streaming keeps no public accessor for it
+        prefix = streaming_compat.shm_prefix(dataset)
         owner = {
             "host": _host(),
             "pid": os.getpid(),
             "start": _process_start(os.getpid()),
             "prefix": prefix,
-            "locals_inode": _inode(_segment(prefix, LOCALS)),
+            "locals_inode": _inode(_segment(prefix, streaming_compat.LOCALS_SEGMENT)),
         }
         tmp = private / f"{OWNER}.tmp"
         tmp.write_text(json.dumps(owner))
@@ -203,13 +176,9 @@ class Ownership:
     def release(self, dataset: StreamingDataset) -> None:
         """Stop streaming's threads, unlink the segments this loader created (`locals` last: while
         any of them exists no other job can take the prefix), and remove the private dir."""
-        iterator = getattr(dataset, "_iterator", None)
-        if iterator is not None:
-            iterator.exit()
-        executor = getattr(dataset, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=True)
-        wrappers = sorted(_owned_shared_memory(dataset), key=lambda w: w.shm.name.endswith(LOCALS))
+        streaming_compat.stop_threads(dataset)
+        locals_last = lambda w: w.shm.name.endswith(streaming_compat.LOCALS_SEGMENT)  # noqa: E731
+        wrappers = sorted(streaming_compat.shared_memory_wrappers(dataset), key=locals_last)
         for wrapper in wrappers:
             try:
                 wrapper.cleanup()
@@ -227,18 +196,17 @@ def _mark_occupied_prefixes(private: Path) -> None:
     use. Streaming skips any prefix whose lock file exists in the temp dir, so a lock-file name in
     the private temp dir for every prefix with any segment makes it pick a prefix that is wholly free.
     """
-    names = set(SHM_TO_CLEAN)
     for segment in SHM_DIR.iterdir():
-        prefix, _, name = segment.name.partition("_")
-        if len(prefix) == 6 and prefix.isdigit() and name in names:
-            (private / f"{prefix}_{BARRIER_FILELOCK}").touch()
+        prefix = streaming_compat.prefix_of_segment(segment.name)
+        if prefix is not None:
+            (private / streaming_compat.prefix_lock_name(prefix)).touch()
 
 
 def set_position(dataset: StreamingDataset, *, epoch: int, sample_in_epoch: int, num_canonical_nodes: int,
                  seed: int) -> None:
     """Where the next iteration starts. Each load_state_dict() call makes a new resume segment
     wrapper; the previous one (which created the segment) is released first so close() finds it."""
-    previous = getattr(dataset, "_resume_shm", None)
+    previous = streaming_compat.resume_segment(dataset)
     if previous is not None:
         previous.cleanup()
         atexit.unregister(previous.cleanup)

@@ -16,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
+from nlq_scale.compat import submitit as submitit_compat
 from nlq_scale.data.parts import merge_parts, parts_dir, prepare_part
 from nlq_scale.data.prepare import PrepareOptions, check_out_dir, input_files, planned_inputs
 from nlq_scale.errors import RunFailure, UsageError
@@ -63,7 +64,7 @@ def _sbatch(submission):
     try:
         with submitit.helpers.clean_env():  # a submission from inside a job must not inherit its SLURM env
             return submission()
-    except (subprocess.CalledProcessError, submitit.core.utils.FailedSubmissionError, OSError) as e:
+    except (subprocess.CalledProcessError, *submitit_compat.submission_errors(), OSError) as e:
         raise RunFailure(f"submission failed: {e}") from e
 
 

@@ -75,8 +75,8 @@ def count_parameters(m: ModelConfig) -> ParamCount:
 
 
 def flops_per_token(m: ModelConfig) -> int:
-    """Training FLOPs per token (forward + backward)."""
-    m = resolve_model(m)
+    """Training FLOPs per token (forward + backward). count_parameters resolves match_params_of;
+    nothing else here depends on the MLP width it solves."""
     arm = arms.get(m.arm)
     counts = count_parameters(m)
     # 6 x every parameter outside the query path (it prices its own), + the logit projection.

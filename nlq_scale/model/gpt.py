@@ -116,8 +116,8 @@ def _kv_linear_and_norm(m: ModelConfig):
 
 
 def layer_spec(m: ModelConfig) -> ModuleSpec:
-    """Megatron's stock layer spec with the arm's attention swapped in."""
-    m = resolve_model(m)
+    """Megatron's stock layer spec with the arm's attention swapped in. Needs no resolved config:
+    the MLP width (what match_params_of solves) comes from the TransformerConfig."""
     arm = arms.get(m.arm)
     spec = _stock_spec(m)
     column_linear, norm = _kv_linear_and_norm(m)

@@ -11,9 +11,13 @@ SEQ_LENGTH = 64  # the cpu-* scales' context
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("quickstart", help="sample corpus -> smoke sweep -> comparison report")
+    p = sub.add_parser("quickstart", help="sample corpus -> smoke sweep -> comparison report",
+                       epilog="example:\n  nlq-scale quickstart --root runs/quickstart")
     p.add_argument("--root", type=Path, default=Path("runs/quickstart"), help="where data, runs and report go")
-    p.add_argument("--executor", choices=("local", "slurm"), default="local")
+    p.add_argument("--executor", choices=("local", "slurm"), default="local",
+                   help="local: run here, one run after the other; slurm: queue job arrays")
+    p.add_argument("--cluster", help="cluster file (or a name in configs/clusters) for --executor slurm; "
+                                     "default: the sweep's (local: the cluster's default partition)")
     p.add_argument("--sweep", default="smoke", help="sweep file or name in configs/sweeps")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     p.set_defaults(func=run)
@@ -43,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         _call(["prepare-data", "--sample", "--out", str(data), "--seq-len", str(SEQ_LENGTH)])
     _step(f"2/3 sweep {args.sweep} ({args.executor} executor) -> {root}")
-    _call(["submit", args.sweep, "--root", str(root), "--executor", args.executor, f"data.path={data}", *args.overrides])
+    cluster = ["--cluster", args.cluster] if args.cluster else []
+    _call(["submit", args.sweep, "--root", str(root), "--executor", args.executor, *cluster, f"data.path={data}",
+           *args.overrides])
     sweep_dir = root / load_sweep(sweep_path(args.sweep)).name
     report = sweep_dir / "report"
     _step(f"3/3 compare -> {report}")

@@ -1,7 +1,8 @@
 """CPU runtime shim for megatron-core 0.16 (and DeepSpeed's use of it): the only place where CUDA
 assumptions are bent. `apply()` is a no-op when CUDA is available, so GPU code paths are untouched.
 
-Every patch names the megatron call site that needs it. Patches are idempotent.
+Every patch names the megatron call site that needs it. Patches are idempotent. The private
+megatron and DeepSpeed names it patches are reached through nlq_scale/compat.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import sys
 from typing import Any
 
 import torch
+
+from nlq_scale.compat import deepspeed as deepspeed_compat
+from nlq_scale.compat import megatron as megatron_compat
 
 # Tensor factories megatron calls with device='cuda' or pin_memory=True on CPU-only machines.
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like", "ones_like")
@@ -70,18 +74,8 @@ def _tensor_cuda_to_self(self: torch.Tensor, *_args: Any, **_kwargs: Any) -> tor
     return self.to(torch.cuda.current_device())
 
 
-# Modules that test `tensor.type() == 'torch.cuda.FloatTensor'` (and Half/BFloat16) to pick a code path.
-_TYPE_STRING_CALL_SITES = frozenset(
-    {
-        "megatron.core.optimizer.distrib_optimizer",  # _build_model_and_main_param_groups
-        "megatron.core.optimizer.optimizer",  # Float16OptimizerWithFloat16Params
-        "megatron.core.optimizer.clip_grads",  # clip_grad_by_total_norm_fp32 asserts cuda grads
-    }
-)
-
-
 def _cuda_type_names(original):
-    """Tensor.type() answers as if on CUDA, but only to the megatron call sites above."""
+    """Tensor.type() answers as if on CUDA, but only to megatron_compat.TYPE_STRING_CALL_SITES."""
 
     @functools.wraps(original)
     def type_(self: torch.Tensor, *args: Any, **kwargs: Any):
@@ -89,7 +83,7 @@ def _cuda_type_names(original):
         if args or kwargs or self.device.type != "cpu":
             return result
         caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller in _TYPE_STRING_CALL_SITES:
+        if caller in megatron_compat.TYPE_STRING_CALL_SITES:
             return result.replace("torch.", "torch.cuda.", 1)
         return result
 
@@ -100,23 +94,6 @@ def _patch_module_torch(module_name: str) -> None:
     module = importlib.import_module(module_name)
     if not isinstance(module.torch, _CpuTorch):
         module.torch = _CpuTorch()
-
-
-# Megatron modules whose tensor factories hard-code device='cuda' / pin_memory=True.
-_FACTORY_CALL_SITES = (
-    "megatron.core.optimizer.optimizer",  # found_inf / grad-norm buffers on 'cuda'
-    "megatron.core.optimizer.clip_grads",  # total_norm and dummy overflow buffers on 'cuda'
-    "megatron.core.optimizer.distrib_optimizer",  # gbuf views, save buffers on current_device
-    "megatron.core.utils",  # get_model_config / global memory buffer allocations
-    "megatron.core.pipeline_parallel.schedules",  # p2p recv buffers and loss accumulators
-    "megatron.core.pipeline_parallel.p2p_communication",  # recv tensors on current_device
-    "megatron.core.distributed.finalize_model_grads",  # num_tokens / grad norms on 'cuda'
-    "megatron.core.distributed.param_and_grad_buffer",  # warm-up tensor on 'cuda'
-    "megatron.core.transformer.utils",  # default causal mask on 'cuda'
-    "megatron.core.transformer.moe.moe_utils",  # aux-loss trackers on 'cuda'
-    "megatron.core.tensor_parallel.data",  # broadcast sizes on 'cuda'
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # save-plan reuse flag on 'cuda'
-)
 
 
 def apply() -> None:
@@ -136,23 +113,11 @@ def apply() -> None:
     torch.Tensor.cuda = _tensor_cuda_to_self
     torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
 
-    from megatron.core.tensor_parallel import random as mp_random
-
-    mp_random._get_cuda_rng_state = _cpu_rng_state
-    mp_random._set_cuda_rng_state = _set_cpu_rng_state
-    for name in _FACTORY_CALL_SITES:
+    megatron_compat.replace_cuda_rng_state_functions(_cpu_rng_state, _set_cpu_rng_state)
+    for name in megatron_compat.FACTORY_CALL_SITES:
         _patch_module_torch(name)
-    # moe_utils.RouterGatingLinearFunction tests `te_general_gemm is not None`, but the name is
-    # never bound when Transformer Engine is absent (NameError): bind it to None.
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    megatron_compat.bind_missing_te_general_gemm()
     torch.cuda._nlq_cpu_shim = True
-
-
-def _no_shm_op() -> None:
-    return None
 
 
 def apply_deepspeed() -> None:
@@ -162,10 +127,4 @@ def apply_deepspeed() -> None:
     # deepspeed.accelerator.real_accelerator.get_accelerator (first call: `import deepspeed`) warns
     # on every rank when its auto-detection falls back to CPU: name the CPU accelerator instead.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # `import deepspeed.comm.torch as m` would bind the `torch` name deepspeed.comm re-exports.
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    # deepspeed.comm.torch.TorchBackend.__init__ (deepspeed.initialize -> init_distributed, which
-    # wraps the gloo group we already made) JIT-compiles the shared-memory all-reduce op (37-95 s)
-    # after probing every op with compiler runs. Only inference_all_reduce uses it, and that falls
-    # back to the process group's all_reduce without it.
-    ds_comm_torch.build_shm_op = _no_shm_op
+    deepspeed_compat.skip_shm_all_reduce_op()

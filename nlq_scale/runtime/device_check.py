@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakTensorKeyDictionary
+
+from nlq_scale.compat.torch import WeakTensorKeyDictionary
 
 # Factories: host unless given a device; *_like / new_* follow their input unless given one.
 _FACTORIES = frozenset(

@@ -36,7 +36,11 @@ class DistEnv:
 
 
 @dataclass(frozen=True)
-class Layout:
+class World:
+    """The initialized distributed world as this process sees it: its size and parallel split,
+    this process's ranks in it, and its device. (A run's planned split over nodes and devices,
+    before any process starts, is cluster.plan.Layout.)"""
+
     world_size: int
     num_nodes: int
     tp: int
@@ -61,6 +65,16 @@ def _first_slurm_host(nodelist: str) -> str:
     return out.stdout.split()[0]
 
 
+# Below Linux's default ephemeral range (32768-60999), where srun's I/O sockets and every outgoing
+# connection on the node take their ports: a rendezvous port there is sometimes taken (EADDRINUSE).
+JOB_PORTS = range(20000, 32000)
+
+
+def job_master_port(job_id: str) -> int:
+    """The rendezvous port every task of a job derives alike from the job id: nothing to agree on."""
+    return JOB_PORTS.start + zlib.crc32(job_id.encode()) % len(JOB_PORTS)
+
+
 def detect_env() -> DistEnv:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, submitit export, our --nproc launcher
@@ -81,8 +95,7 @@ def detect_env() -> DistEnv:
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             local_world_size=int(env.get("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS"]).split("(")[0]),
             master_addr=_first_slurm_host(env["SLURM_JOB_NODELIST"]),
-            # Every task derives the same port from the job id, so no rendezvous is needed.
-            master_port=20000 + zlib.crc32(job.encode()) % 20000,
+            master_port=job_master_port(job),
         )
     return DistEnv(0, 1, 0, 1, "127.0.0.1", free_port())
 
@@ -99,7 +112,7 @@ def export_env(env: DistEnv) -> None:
     )
 
 
-def init_distributed(env: DistEnv, parallel: ParallelConfig, device: str = "auto", timeout_min: int = 30) -> Layout:
+def init_distributed(env: DistEnv, parallel: ParallelConfig, device: str = "auto", timeout_min: int = 30) -> World:
     """`device` is runtime.device; it is resolved (and CUDA checked) before anything else starts."""
     from megatron.core import parallel_state as ps
 
@@ -127,7 +140,7 @@ def init_distributed(env: DistEnv, parallel: ParallelConfig, device: str = "auto
         expert_model_parallel_size=parallel.ep,
         distributed_timeout_minutes=timeout_min,
     )
-    return Layout(
+    return World(
         world_size=env.world_size,
         num_nodes=env.num_nodes,
         tp=parallel.tp,
@@ -152,10 +165,10 @@ def teardown() -> None:
 
 
 @contextlib.contextmanager
-def distributed(parallel: ParallelConfig, env: DistEnv | None = None, device: str = "auto") -> Iterator[Layout]:
+def distributed(parallel: ParallelConfig, env: DistEnv | None = None, device: str = "auto") -> Iterator[World]:
     """Init torch.distributed + megatron parallel state for the duration of the block."""
-    layout = init_distributed(env or detect_env(), parallel, device)
+    world = init_distributed(env or detect_env(), parallel, device)
     try:
-        yield layout
+        yield world
     finally:
         teardown()

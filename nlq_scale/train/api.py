@@ -8,14 +8,14 @@ from pathlib import Path
 
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import RunFailure, UsageError
-from nlq_scale.runtime.dist import Layout, detect_env, distributed
+from nlq_scale.runtime.dist import World, detect_env, distributed
 from nlq_scale.runtime.quiet import quiet_libraries
 from nlq_scale.train.rundir import Status, claim
 
 
-def placement_checked(cfg: RunConfig, layout: Layout) -> contextlib.AbstractContextManager:
+def placement_checked(cfg: RunConfig, world: World) -> contextlib.AbstractContextManager:
     """runtime.check_device: on the CPU, host and device tensors are kept apart as on a GPU."""
-    if cfg.runtime.check_device and not layout.device.is_cuda:
+    if cfg.runtime.check_device and not world.device.is_cuda:
         from nlq_scale.runtime.device_check import checking_devices
 
         return checking_devices()
@@ -34,15 +34,15 @@ def train_run(cfg: RunConfig, run_dir: Path) -> str:
     run_dir = Path(run_dir)
     env = detect_env()
     claim(run_dir, cfg, create=env.rank == 0)  # every rank refuses a conflicting run dir up front
-    with distributed(cfg.parallel, env, cfg.runtime.device) as layout, placement_checked(cfg, layout):
+    with distributed(cfg.parallel, env, cfg.runtime.device) as world, placement_checked(cfg, world):
         trainer = None
         try:
-            trainer = Trainer(cfg, run_dir, layout)
+            trainer = Trainer(cfg, run_dir, world)
             return trainer.run()
         except Exception as e:
             expected = isinstance(e, (UsageError, RunFailure))  # already one line naming file and cause
             if env.rank == 0:
-                Status(run_dir, cfg.train.steps, layout.num_nodes).update(
+                Status(run_dir, cfg.train.steps, world.num_nodes).update(
                     state="failed", error=str(e) if expected else f"{type(e).__name__}: {e}".strip()
                 )
                 if not expected:

@@ -4,8 +4,8 @@ tensor-parallel size through universal-checkpoint conversion.
 
 Inside a checkpoint dir this engine writes:
   deepspeed/           DeepSpeed's own files (tag "deepspeed": model states, ZeRO shards)
-  deepspeed.json       the tag and the layout it was saved at (`_Layout`), read back by `load`
-  universal.tmp/       only while loading at another layout: source/ (the files as ds_to_universal
+  deepspeed.json       the tag and the sharding it was saved at (`_Sharding`), read back by `load`
+  universal.tmp/       only while loading at another sharding: source/ (the files as ds_to_universal
                        can read them) and deepspeed/ (its universal checkpoint); removed after
 """
 
@@ -18,7 +18,6 @@ import json
 import re
 import shutil
 import sys
-from argparse import Namespace
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -30,6 +29,8 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from torch import Tensor
 
+from nlq_scale.compat import deepspeed as deepspeed_compat
+from nlq_scale.compat import megatron as megatron_compat
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
 from nlq_scale.model.gpt import build_gpt
@@ -39,7 +40,7 @@ from nlq_scale.train.engine_common import StepStats, lm_loss, reduce_last_stage_
 from nlq_scale.train.rundir import write_json
 
 TAG = "deepspeed"
-LAYOUT_FILE = "deepspeed.json"
+SHARDING_FILE = "deepspeed.json"
 UNIVERSAL_DIR = "universal.tmp"
 
 
@@ -67,7 +68,7 @@ class MegatronMpu:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _Sharding:
     """What decides whether DeepSpeed can load its own files as they are."""
 
     dp: int
@@ -80,7 +81,7 @@ class _Layout:
         # ZeRO-0 saves the whole optimizer with the model states (written by DP rank 0, read by all).
         return self.zero_stage == 0
 
-    def loads_plainly(self, saved: _Layout) -> bool:
+    def loads_plainly(self, saved: _Sharding) -> bool:
         return saved == self or (saved.replicated_optimizer and replace(saved, dp=self.dp) == self)
 
 
@@ -164,14 +165,13 @@ class DeepSpeedEngine:
     def __init__(self, cfg: RunConfig, device: Device) -> None:
         _check_supported(cfg)
         self.cfg, self.device = cfg, device
-        self.layout = _Layout(
+        self.sharding = _Sharding(
             dp=ps.get_data_parallel_world_size(),
             tp=ps.get_tensor_model_parallel_world_size(),
             zero_stage=cfg.train.zero_stage,
             bf16=cfg.model.bf16,
         )
         self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))
-        self._poison = False
         self.engine = self._initialize(load_universal=False)
 
     def _initialize(self, load_universal: bool):
@@ -188,7 +188,7 @@ class DeepSpeedEngine:
             engine, *_ = deepspeed.initialize(
                 model=model,
                 model_parameters=_param_groups(model, self.cfg.train.weight_decay),
-                config=ds_config(self.cfg, self.layout.dp, load_universal),
+                config=ds_config(self.cfg, self.sharding.dp, load_universal),
                 mpu=MegatronMpu(),
             )
         return engine
@@ -196,10 +196,6 @@ class DeepSpeedEngine:
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-
-    def poison_next_loss(self) -> None:
-        """Test hook (train.nan_at_step): the next training loss becomes NaN."""
-        self._poison = True
 
     def _loss(self, tokens: Tensor) -> Tensor:
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -221,9 +217,7 @@ class DeepSpeedEngine:
         same way (the grads are already data-parallel reduced after the boundary backward)."""
         if self.engine.zero_optimization() or self.engine.bfloat16_enabled():
             return None
-        from deepspeed.runtime.utils import get_flattened_grad_norm
-
-        return float(get_flattened_grad_norm(self.engine.module.parameters(), mpu=self.engine.mpu))
+        return deepspeed_compat.flattened_grad_norm(self.engine.module.parameters(), self.engine.mpu)
 
     def train_step(self, tokens: Tensor) -> StepStats:
         self.engine.train()
@@ -232,21 +226,18 @@ class DeepSpeedEngine:
             # The router's aux loss enters in backward (MoEAuxLossAutoScaler), past DeepSpeed's 1/gas
             # loss scaling: scale it per micro-batch as megatron's schedule does.
             # The scale is class state shared with megatron's schedule in this process: keep its shape.
-            current = MoEAuxLossAutoScaler.main_loss_backward_scale
+            current = megatron_compat.moe_aux_loss_scale()
             shape = current.shape if current is not None else (1,)
             MoEAuxLossAutoScaler.set_loss_scale(torch.full(shape, 1.0 / len(micro), device=self.device.torch_device))
         losses, own_norm = [], None
         for i, batch in enumerate(micro):
             loss = self._loss(batch)
-            if self._poison:
-                loss = loss * float("nan")
             self.engine.backward(loss)
             losses.append({"lm loss": loss.detach().clone()})
             if i == len(micro) - 1:
                 own_norm = self._own_grad_norm()
             # DeepSpeed counts micro-batches and steps the optimizer only at the boundary.
             self.engine.step()
-        self._poison = False
         grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
         return StepStats(loss=reduce_last_stage_mean(losses, self.device), grad_norm=_finite_or_nan(grad_norm))
 
@@ -259,12 +250,12 @@ class DeepSpeedEngine:
     def save(self, ckpt_dir: Path) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
         if dist.get_rank() == 0:
-            write_json(ckpt_dir / LAYOUT_FILE, {"tag": TAG} | asdict(self.layout))
+            write_json(ckpt_dir / SHARDING_FILE, {"tag": TAG} | asdict(self.sharding))
         dist.barrier()
 
     def load(self, ckpt_dir: Path) -> None:
-        saved = _read_layout(ckpt_dir)
-        if self.layout.loads_plainly(saved):
+        saved = read_sharding(ckpt_dir)
+        if self.sharding.loads_plainly(saved):
             self._load_from(ckpt_dir, strict=True)
             return
         if saved.replicated_optimizer:
@@ -273,7 +264,7 @@ class DeepSpeedEngine:
                 f"it resumes at ZeRO stage 0, tp={saved.tp}, bf16={saved.bf16} only"
             )
         universal = ckpt_dir / UNIVERSAL_DIR
-        error = _convert_to_universal(ckpt_dir / TAG, universal) if dist.get_rank() == 0 else None
+        error = convert_to_universal(ckpt_dir / TAG, universal) if dist.get_rank() == 0 else None
         box = [error]
         dist.broadcast_object_list(box, src=0)
         if box[0] is not None:
@@ -325,17 +316,17 @@ def _finite_or_nan(grad_norm: float | Tensor | None) -> float | None:
     return float("nan") if float(grad_norm) < 0 else float(grad_norm)
 
 
-def _read_layout(ckpt_dir: Path) -> _Layout:
-    path = ckpt_dir / LAYOUT_FILE
+def read_sharding(ckpt_dir: Path) -> _Sharding:
+    path = ckpt_dir / SHARDING_FILE
     try:
         saved = json.loads(path.read_text())
         if saved.pop("tag") != TAG:
             raise ValueError(f"tag is not {TAG!r}")
-        return _Layout(**saved)
+        return _Sharding(**saved)
     except FileNotFoundError:
         raise UsageError(f"{path}: missing; {ckpt_dir} is not a deepspeed-engine checkpoint") from None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise UsageError(f"{path}: unreadable deepspeed layout ({type(e).__name__}: {e})") from None
+        raise UsageError(f"{path}: unreadable deepspeed sharding ({type(e).__name__}: {e})") from None
 
 
 def _tensor_model_states(source: Path, dest: Path) -> None:
@@ -353,25 +344,14 @@ def _tensor_model_states(source: Path, dest: Path) -> None:
         torch.save(state, dest / f.name)
 
 
-def _convert_to_universal(source: Path, universal: Path) -> str | None:
+def convert_to_universal(source: Path, universal: Path) -> str | None:
     """ds_to_universal into universal/<TAG>, in this process (one worker: the ranks already use the
     cores). Returns an error message instead of raising, for the other ranks' sake."""
-    from deepspeed.checkpoint import ds_to_universal
-
     shutil.rmtree(universal, ignore_errors=True)
-    args = Namespace(
-        input_folder=str(universal / "source"),
-        output_folder=str(universal / TAG),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=False,
-    )
     try:
         _tensor_model_states(source, universal / "source")
         with _quiet():
-            ds_to_universal.main(args)
+            deepspeed_compat.convert_to_universal(universal / "source", universal / TAG)
     except Exception as e:  # whatever the converter raises: report it on every rank
         shutil.rmtree(universal, ignore_errors=True)
         return f"{source}: universal-checkpoint conversion failed ({type(e).__name__}: {e})"

@@ -16,6 +16,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from torch import Tensor
 
+from nlq_scale.compat import megatron as megatron_compat
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.model.gpt import build_gpt
 from nlq_scale.runtime.device import Device
@@ -75,7 +76,6 @@ class MegatronEngine:
         self._skip_step_when_loading_param_state()
         self._schedule = get_forward_backward_func()
         self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))
-        self._poison = False
 
     def set_lr(self, lr: float) -> None:
         """Also the weight decay: megatron marks 1-D params (norms, biases) with wd_mult = 0 and
@@ -84,10 +84,6 @@ class MegatronEngine:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.cfg.train.weight_decay * group.get("wd_mult", 1.0)
 
-    def poison_next_loss(self) -> None:
-        """Test hook (train.nan_at_step): the next training loss becomes NaN."""
-        self._poison = True
-
     def _forward_step(self, data_iterator, model):
         tokens = next(data_iterator)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -95,8 +91,6 @@ class MegatronEngine:
 
         def loss_func(logits: Tensor):
             loss = lm_loss(logits, labels, self.cfg.train.z_loss)
-            if self._poison and model.training:
-                loss = loss * float("nan")
             # The schedule divides the returned loss in place: report a detached copy.
             return loss, {"lm loss": loss.detach().clone()}
 
@@ -119,7 +113,6 @@ class MegatronEngine:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run(tokens, forward_only=False)
-        self._poison = False
         _, grad_norm, _ = self.optimizer.step()
         return StepStats(loss=reduce_last_stage_mean(losses, self.device), grad_norm=grad_norm)
 
@@ -130,48 +123,24 @@ class MegatronEngine:
 
     def _sharded_state(self, is_loading: bool) -> dict:
         model_state = self.model.module.sharded_state_dict()
-        return {
-            "model": model_state,
-            "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT),
-        }
+        with megatron_compat.unpadded_param_positions(self.optimizer):
+            optimizer_state = self.optimizer.sharded_state_dict(
+                model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT
+            )
+        return {"model": model_state, "optimizer": optimizer_state}
 
     def save(self, ckpt_dir: Path) -> None:
         self._materialize_adam_state()  # a save before the first step would trip the same assert
         dist_checkpointing.save(self._sharded_state(is_loading=False), str(ckpt_dir))
 
-    def _fallback_distributed_optimizers(self) -> list:
-        """megatron's distributed optimizers that run on torch's Adam (no Apex / Transformer
-        Engine: the CPU path, and GPU nodes without either). megatron-core 0.16.x (written against
-        0.16.1) mishandles Adam's `step` there; the three
-        methods below mend it where the state is built and loaded."""
-        from megatron.core.optimizer import distrib_optimizer
-
-        if distrib_optimizer.HAVE_APEX_OR_TE:
-            return []
-        chain = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        return [o for o in chain if isinstance(o, distrib_optimizer.DistributedOptimizer)]
-
     def _torch_adams(self) -> list[torch.optim.Optimizer]:
-        return [o.optimizer for o in self._fallback_distributed_optimizers()]
+        """megatron-core 0.16.x's distributed optimizers on torch's Adam mishandle its `step`; the
+        methods below (and compat.megatron) mend it where the state is built and loaded."""
+        return [o.optimizer for o in megatron_compat.torch_adam_distributed_optimizers(self.optimizer)]
 
     def _skip_step_when_loading_param_state(self) -> None:
-        """Loading a fully reshardable state copies every key of the live Adam state from the
-        checkpoint's per-parameter tensors, which never hold `step` (KeyError 'step'): copy the
-        others and leave `step` to load_state_dict."""
-        for opt in self._fallback_distributed_optimizers():
-            original = opt._set_main_param_and_optimizer_states
-
-            def set_states(model_param, tensors, opt=opt, original=original):
-                group_index, group_order = opt.model_param_group_index_map[model_param]
-                state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
-                step = state.pop("step", None)
-                try:
-                    original(model_param, tensors)
-                finally:
-                    if step is not None:
-                        state["step"] = step
-
-            opt._set_main_param_and_optimizer_states = set_states
+        for opt in megatron_compat.torch_adam_distributed_optimizers(self.optimizer):
+            megatron_compat.keep_adam_step_when_loading_param_state(opt)
 
     def _materialize_adam_state(self) -> None:
         """megatron-core 0.16.1's torch-Adam fallback asserts on the `step` of a fresh optimizer when

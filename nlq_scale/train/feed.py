@@ -13,11 +13,11 @@ from megatron.core import parallel_state as ps
 from torch import Tensor
 
 from nlq_scale.config.schema import RunConfig
-from nlq_scale.runtime.dist import Layout
+from nlq_scale.runtime.dist import World
 
 
-def _is_loader(layout: Layout) -> bool:
-    return layout.tp_rank == 0 and layout.pp_rank == 0
+def _is_loader(world: World) -> bool:
+    return world.tp_rank == 0 and world.pp_rank == 0
 
 
 def job_tmp_dir(run_dir: Path) -> Path:
@@ -29,32 +29,32 @@ def job_tmp_dir(run_dir: Path) -> Path:
 
 
 class DataFeed:
-    def __init__(self, cfg: RunConfig, layout: Layout, run_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, world: World, run_dir: Path) -> None:
         from nlq_scale.data.loader import make_train_loader, make_val_set
 
-        self.layout = layout
-        self.device = layout.device
+        self.world = world
+        self.device = world.device
         self.seq = cfg.model.seq_length
-        self.rank_batch = cfg.train.global_batch_size // layout.dp
+        self.rank_batch = cfg.train.global_batch_size // world.dp
         self._mp_group = ps.get_model_parallel_group()
         self._src = self._loader_global_rank()
         self.loader = None
-        if _is_loader(layout):
+        if _is_loader(world):
             self.loader = make_train_loader(
                 cfg.data,
                 seq_length=self.seq,
                 rank_batch_size=self.rank_batch,
-                dp_rank=layout.dp_rank,
-                dp_size=layout.dp,
+                dp_rank=world.dp_rank,
+                dp_size=world.dp,
                 tmp_dir=job_tmp_dir(run_dir),
             )
             self._iter = iter(self.loader)
-        val = make_val_set(cfg.data, seq_length=self.seq) if _is_loader(layout) else None
-        self.val = self._share(val, (cfg.data.val_sequences, self.seq + 1)).chunk(layout.dp)[layout.dp_rank]
+        val = make_val_set(cfg.data, seq_length=self.seq) if _is_loader(world) else None
+        self.val = self._share(val, (cfg.data.val_sequences, self.seq + 1)).chunk(world.dp)[world.dp_rank]
 
     def _loader_global_rank(self) -> int:
         flags = [self.device.empty((1,), torch.int64) for _ in range(dist.get_world_size(self._mp_group))]
-        dist.all_gather(flags, self.device.tensor([int(_is_loader(self.layout))]), group=self._mp_group)
+        dist.all_gather(flags, self.device.tensor([int(_is_loader(self.world))]), group=self._mp_group)
         group_rank = next(i for i, f in enumerate(flags) if int(f) == 1)
         return dist.get_global_rank(self._mp_group, group_rank)
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.model.accounting import count_parameters, flops_per_token
 from nlq_scale.runtime.device import Device
-from nlq_scale.runtime.dist import Layout
+from nlq_scale.runtime.dist import World
 from nlq_scale.runtime.kernels import report_missing
 from nlq_scale.train.checkpoint import CheckpointDir
 from nlq_scale.train.divergence import DivergenceGuard
@@ -61,17 +61,17 @@ def _any_rank(flag: bool, device: Device) -> bool:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: Path, layout: Layout) -> None:
-        self.cfg, self.run_dir, self.layout = cfg, run_dir, layout
-        self.rank = layout.rank
+    def __init__(self, cfg: RunConfig, run_dir: Path, world: World) -> None:
+        self.cfg, self.run_dir, self.world = cfg, run_dir, world
+        self.rank = world.rank
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
         self.flops_per_token = flops_per_token(cfg.model)
-        self.status = Status(run_dir, cfg.train.steps, layout.num_nodes)
+        self.status = Status(run_dir, cfg.train.steps, world.num_nodes)
         self.ckpts = CheckpointDir(run_dir, cfg.checkpoint.keep, cfg.checkpoint.keep_every)
         self.guard = DivergenceGuard(cfg.train.divergence)
         report_missing(self.rank)
-        self.engine = make_engine(cfg, layout.device)
-        self.feed = DataFeed(cfg, layout, run_dir)
+        self.engine = make_engine(cfg, world.device)
+        self.feed = DataFeed(cfg, world, run_dir)
         self.step, self.tokens = 0, 0
         resumed_from = self._resume()
         self.metrics = MetricsWriter(run_dir, cfg, resumed_from is not None, self.rank == 0, self.step)
@@ -79,12 +79,12 @@ class Trainer:
             from nlq_scale.data.loader import dataset_manifest_sha256
 
             layout_info = {
-                "world_size": layout.world_size,
-                "nodes": layout.num_nodes,
-                "tp": layout.tp,
-                "pp": layout.pp,
-                "dp": layout.dp,
-                "ep": layout.ep,
+                "world_size": world.world_size,
+                "nodes": world.num_nodes,
+                "tp": world.tp,
+                "pp": world.pp,
+                "dp": world.dp,
+                "ep": world.ep,
                 "engine": cfg.train.engine,
                 "zero_stage": self._zero_stage(),
             }
@@ -103,7 +103,7 @@ class Trainer:
         ckpt = Path(path)
         _say(self.rank, f"resuming from {ckpt}")
         self.ckpts.load_engine(ckpt, self.engine.load)
-        state = self.ckpts.load_trainer_state(ckpt, self.rank, self.layout.world_size)
+        state = self.ckpts.load_trainer_state(ckpt, self.rank, self.world.world_size)
         self.step, self.tokens = state["step"], state["tokens"]
         self.feed.load_state_dict(state["data"])
         self.guard.load_state_dict(state["guard"])
@@ -115,7 +115,7 @@ class Trainer:
             "tokens": self.tokens,
             "data": self.feed.state_dict(),
             "guard": self.guard.state_dict(),
-            "world_size": self.layout.world_size,
+            "world_size": self.world.world_size,
             "engine": self.cfg.train.engine,
         }
         path = self.ckpts.save(self.step, self.rank, self.engine.save, trainer_state)
@@ -139,7 +139,7 @@ class Trainer:
     def _train_record(self, lr: float, loss: float, grad_norm: float | None, seconds: float, digest: str) -> dict:
         tokens_per_s = self.tokens_per_step / seconds
         peak = self.cfg.train.device_peak_flops
-        mfu = self.flops_per_token * tokens_per_s / (peak * self.layout.world_size) if peak else None
+        mfu = self.flops_per_token * tokens_per_s / (peak * self.world.world_size) if peak else None
         record = {
             "step": self.step,
             "tokens": self.tokens,
@@ -150,7 +150,7 @@ class Trainer:
             "mfu": mfu,
             "data/hash": digest,
         }
-        peak_memory = self.layout.device.peak_memory_bytes()
+        peak_memory = self.world.device.peak_memory_bytes()
         if peak_memory is not None:
             record["memory/peak_gb"] = peak_memory / 2**30
         return record
@@ -167,8 +167,6 @@ class Trainer:
                 self.engine.set_lr(lr)
                 batch = self.feed.next()
                 digest = self.feed.digest(batch)
-                if t.nan_at_step == self.step + 1:
-                    self.engine.poison_next_loss()
                 start = time.perf_counter()
                 stats = self.engine.train_step(batch)
                 seconds = time.perf_counter() - start
@@ -185,7 +183,7 @@ class Trainer:
                 if problem is not None:
                     # No checkpoint: the last good one must not be replaced by a diverged state.
                     return self._finish("diverged", "diverged", problem)
-                if _any_rank(stop.signum is not None, self.layout.device):
+                if _any_rank(stop.signum is not None, self.world.device):
                     self._save()
                     return self._finish("preempted", "preempt", signal=stop.signal_name)
                 every = self.cfg.checkpoint.every

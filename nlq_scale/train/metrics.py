@@ -41,6 +41,7 @@ class WandbMirror:
                 project=cfg.logging.wandb_project,
                 entity=cfg.logging.wandb_entity,
                 group=cfg.sweep,
+                job_type=cfg.arm_label,  # W&B's grouping within a sweep: one job type per arm
                 name=cfg.name or run_dir.name,
                 dir=str(run_dir),
                 **_continuation(run_dir, resume_step),

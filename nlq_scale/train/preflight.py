@@ -21,15 +21,9 @@ def preflight(cfg: RunConfig, run_dir: Path, world_size: int, local_rank: int = 
             "(pip install 'nlq-scale[gpu]' on a CUDA node, or use transformer_impl=local)"
         )
     try:
-        dp = cfg.data_parallel_size(world_size)
-        cfg.grad_accum_steps(world_size)
+        cfg.check_world(world_size)
     except ValueError as e:
         raise UsageError(f"layout: {e}") from None
-    if cfg.data.val_sequences % (dp * cfg.train.micro_batch_size):
-        raise UsageError(
-            f"data.val_sequences ({cfg.data.val_sequences}) must be a multiple of "
-            f"dp*micro_batch_size ({dp * cfg.train.micro_batch_size})"
-        )
     if cfg.data.path is None and cfg.data.streams is None:
         raise UsageError("data.path: no prepared dataset given (nlq-scale prepare-data, then data.path=DIR)")
     dataset_manifest_sha256(cfg.data)  # raises UsageError naming a missing/unprepared dataset

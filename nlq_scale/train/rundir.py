@@ -19,6 +19,7 @@ from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
 
 STATES = ("pending", "running", "preempted", "diverged", "completed", "failed")
+STATUS_FILE = "status.json"
 CHANGES_FILE = "config-changes.jsonl"
 # Keys a resumed run may change: how it is logged, checkpointed, evaluated and laid out on devices.
 # Everything else (model, arm, data, seeds, LR schedule, global batch, ...) is the run's identity.
@@ -53,6 +54,19 @@ def write_json(path: Path, obj: Any) -> None:
     atomic_write(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def read_current(path: Path) -> dict:
+    """A run's JSON file read from outside while it may be rewritten (status, submit, progress
+    lines): absent or being replaced reads as {} (the next look sees it)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def read_status(run_dir: Path) -> dict:
+    return read_current(run_dir / STATUS_FILE)
+
+
 def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -71,7 +85,7 @@ def claim(run_dir: Path, cfg: RunConfig, create: bool = True) -> bool:
     config_path = run_dir / "config.yaml"
     if config_path.exists():
         existing, wanted = yaml.safe_load(config_path.read_text()), yaml.safe_load(text)
-        changed = sorted(_diff_keys(existing, wanted))
+        changed = sorted(k for k in _diff_keys(existing, wanted) if not _unused_arm_section(k, existing, wanted))
         identity = [k for k in changed if not k.startswith(OPERATIONAL)]
         if identity:
             key = identity[0]
@@ -95,6 +109,17 @@ def _at(tree: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         tree = tree.get(part) if isinstance(tree, dict) else None
     return tree
+
+
+def _unused_arm_section(key: str, *configs: dict) -> bool:
+    """A key in the option section of an arm that none of `configs` uses: it shapes nothing, and a
+    run dir saved before that arm was registered lacks the section."""
+    from nlq_scale import arms
+
+    unused = {a.options_key for a in arms.all_arms() if a.options_key} - {
+        arms.get(arm).options_key for arm in {_at(c, "model.arm") for c in configs} if arm in arms.names()
+    }
+    return any(key == f"model.{section}" or key.startswith(f"model.{section}.") for section in unused)
 
 
 def _record_changes(run_dir: Path, changes: dict[str, list]) -> None:
@@ -166,7 +191,7 @@ class Status:
     step_time_s is the longest interval between two steps so far (kept across resumes)."""
 
     def __init__(self, run_dir: Path, total_steps: int, num_nodes: int) -> None:
-        self.path = run_dir / "status.json"
+        self.path = run_dir / STATUS_FILE
         previous = read_json(self.path)
         now = time.time()
         self.data = {

@@ -24,6 +24,8 @@ from typing import Any, Iterator
 
 import torch
 
+from nlq_scale.compat import deepspeed as deepspeed_compat
+from nlq_scale.compat import torch as torch_compat
 from nlq_scale.errors import RunFailure, UsageError
 
 # The classes each format pickles besides tensors: numpy's RNG state (rng/rank_<r>.pt), DeepSpeed's
@@ -34,14 +36,10 @@ ALLOWED = (
     "numpy.ndarray",
     "numpy.dtype",
     "numpy.dtypes.UInt32DType",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    *deepspeed_compat.PICKLED_CLASSES,
 )
 # torch.distributed.checkpoint's metadata: its dataclasses and enums, torch sizes, dtypes and layouts.
 _DCP_MODULES = ("torch.distributed.checkpoint.",)
-_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
 _DCP_METADATA = ".metadata"
 
 
@@ -131,9 +129,10 @@ def weights_only_loads(where: Path) -> Iterator[None]:
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         # Only torch's own modules are imported to look: importing any other could run its code.
-        if (module, name) in _DCP_GLOBALS or module == "torch" or module.startswith(_DCP_MODULES):
+        named = (module, name) in torch_compat.DCP_METADATA_GLOBALS
+        if named or module == "torch" or module.startswith(_DCP_MODULES):
             obj = getattr(importlib.import_module(module), name, None)
-            if (module, name) in _DCP_GLOBALS or _dcp_type(module, obj) or _torch_constant(module, obj):
+            if named or _dcp_type(module, obj) or _torch_constant(module, obj):
                 return obj
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed")
 

@@ -141,9 +141,32 @@ start_munge() {
     --pid-file="$pidfile" --log-file="$STATE/munge/munged.log" --seed-file="$STATE/munge/munged.seed"
 }
 
+cold_start() {  # nothing of this cluster runs: no job process can have survived (stop.sh or a reboot)
+  local pidfile
+  for pidfile in "$STATE/slurmctld.pid" "$STATE"/slurmd-*.pid; do
+    alive "$pidfile" && return 1
+  done
+  return 0
+}
+
 start_slurmctld() {
   alive "$STATE/slurmctld.pid" && return
   SLURM_CONF=$CONF slurmctld -f "$CONF"
+}
+
+drop_recovered_jobs() {
+  # The controller reloads its saved jobs; after a cold start their processes are gone, yet a job it
+  # recovers as RUNNING would hold both nodes until SLURM gives up on it. Job ids keep counting.
+  local jobs
+  jobs=$(SLURM_CONF=$CONF squeue -h -o '%F' 2>/dev/null | sort -u | tr '\n' ' ')
+  [[ -z ${jobs// } ]] && return
+  log "cancelling jobs left from before the cluster was stopped: $jobs"
+  # shellcheck disable=SC2086
+  SLURM_CONF=$CONF scancel $jobs 2>/dev/null || true
+  for _ in $(seq 1 60); do
+    [[ -z $(SLURM_CONF=$CONF squeue -h 2>/dev/null) ]] && return
+    sleep 0.5
+  done
 }
 
 start_slurmd() {
@@ -177,8 +200,11 @@ resolve_node_names
 make_dirs
 write_conf
 start_munge
+cold=false
+cold_start && cold=true
 start_slurmctld
 start_slurmd
 wait_ready
+$cold && drop_recovered_jobs
 log "cluster up: $(SLURM_CONF=$CONF sinfo -h -o '%P %D %t' | tr '\n' ' ')"
 echo "export SLURM_CONF=$CONF"

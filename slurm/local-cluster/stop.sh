@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Stop what slurm/local-cluster/start.sh started: this cluster's jobs, its slurmd/slurmctld and its munged,
 # found through the pid files in NLQ_SLURM_STATE (default /var/lib/nlq-slurm). Other processes, another
-# SLURM or a system munged are not touched. State (job ids, logs, munge key) stays for the next start.
+# SLURM or a system munged are not touched. State (job ids, logs, munge key) stays for the next start,
+# whose start.sh cancels any job the controller still lists (its processes ended with the cluster).
 set -euo pipefail
 
 STATE=${NLQ_SLURM_STATE:-/var/lib/nlq-slurm}

@@ -1,0 +1,125 @@
+"""nonlinear-ph: the nonlinear query with per-head norms, as in the public GPT-3 Large (760M) audit
+of the nonlinear-query paper (its `residual_gelu` mode with `per_head_norm`):
+
+    q_h = rms_h(x) + g_h * rms_h(W2 act(W1 RMSNorm x))     for every head h,
+
+where rms_h(t) = t_h / sqrt(mean(t_h^2) + eps) over the head's head_dim channels (no parameters),
+g_h the head's slice of a learned gain (d in all, initialized to 1), eps = model.layernorm eps
+(1e-5, the audit's). Both terms have a per-head RMS of 1 (the second times |g_h|), so |q_h| is
+bounded per token rather than in expectation; the attention scale is therefore not halved: 1/sqrt(d_k).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from nlq_scale.arms.base import (
+    MLPArm,
+    QueryMLPOptions,
+    WeightName,
+    export_recipe,
+    linear_names,
+    norm_names,
+)
+
+
+class PerHeadNonlinearQueryConfig(QueryMLPOptions):
+    """model.nlq_ph: f's width r (W1: d -> r, W2: r -> d) and activation."""
+
+    section = "nlq_ph"
+
+
+@cache
+def _modules():
+    """The megatron and reference query modules (torch is imported only when a model is built)."""
+    import torch
+    from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
+    from megatron.core.transformer.module import MegatronModule
+
+    from nlq_scale.model.query import ParallelMLP
+    from nlq_scale.model.reference import MLP
+
+    def head_rms(t, heads: int, eps: float):
+        """Each head's slice of the last dim divided by its RMS (t: [..., heads * head_dim])."""
+        h = t.unflatten(-1, (heads, -1))
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+
+    class PerHeadNonlinearQuery(MegatronModule):
+        """The whole query on the full hidden vector on every rank (the RMSNorm and the gain are
+        replicated, f's W1/W2 split over TP with W2 all-reducing), then scattered to this rank's heads."""
+
+        def __init__(self, config, width, activation, tp_group=None, **_unused):
+            super().__init__(config=config)
+            d = config.hidden_size
+            self.heads, self.eps = config.num_attention_heads, config.layernorm_epsilon
+            self.norm_in = torch.nn.RMSNorm(d, eps=self.eps, dtype=config.params_dtype)
+            self.f = ParallelMLP(config, width, activation, tp_group)
+            self.head_norm_gain = torch.nn.Parameter(torch.ones(d, dtype=config.params_dtype))
+
+        def forward(self, x):
+            correction = self.head_norm_gain * head_rms(self.f(self.norm_in(x)), self.heads, self.eps)
+            return scatter_to_tensor_model_parallel_region(head_rms(x, self.heads, self.eps) + correction)
+
+    class ReferencePerHeadNonlinearQuery(torch.nn.Module):
+        def __init__(self, d, heads, width, activation, bias, eps):
+            super().__init__()
+            self.heads, self.eps = heads, eps
+            self.norm_in = torch.nn.RMSNorm(d, eps=eps)
+            self.f = MLP(d, width, bias, activation)
+            self.head_norm_gain = torch.nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            correction = self.head_norm_gain * head_rms(self.f(self.norm_in(x)), self.heads, self.eps)
+            return head_rms(x, self.heads, self.eps) + correction
+
+    return PerHeadNonlinearQuery, ReferencePerHeadNonlinearQuery
+
+
+class PerHeadNonlinear(MLPArm):
+    name = "nonlinear-ph"
+    summary = "q_h = rms_h(x) + g_h * rms_h(W2 act(W1 RMSNorm x)) per head (the 760M audit's per-head variant)"
+    options = PerHeadNonlinearQueryConfig
+    options_key = "nlq_ph"
+    fused_qkv = False
+    query_is_hidden_width = True
+
+    def query_params(self, m):
+        # RMSNorm (d) -> W1 (d -> r) -> act -> W2 (r -> d) -> per-head gain (d): +3d vs linear at r = d/2.
+        return self.query_mlp_params(m) | {"nlq_head_norm_gain": m.hidden_size}
+
+    def activation_elements(self, m, tokens):
+        # RMSNorm output, W2 output and its per-head-normed copy (full vectors on every rank);
+        # W1 and activation outputs (split).
+        return tokens * 3 * m.hidden_size, tokens * 2 * self.width(m)
+
+    def megatron_attention(self, m, stock, column_linear):
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from nlq_scale.model.attention import query_variant_attention
+
+        o = self.settings(m)
+        query = ModuleSpec(module=_modules()[0], params={"width": self.width(m), "activation": o.activation})
+        return query_variant_attention(stock, query, column_linear)
+
+    def reference_query(self, m):
+        from nlq_scale.model.reference import EPS
+
+        o = self.settings(m)
+        return _modules()[1](m.hidden_size, m.num_attention_heads, self.width(m), o.activation, m.add_bias_linear, EPS)
+
+    def export_query(self, m):
+        o = self.settings(m)
+        mlp = {"weight": 1.0, "width": self.width(m), "activation": o.activation, "out_norm": "head_rms_gain"}
+        return export_recipe(x=1.0, x_head_rms=True, q_mlp=mlp)
+
+    def weight_names(self, m):
+        q, mq, ex = "query", "self_attention.query", "attn.q_mlp"
+        return [
+            *norm_names(m, f"{q}.norm_in", f"{mq}.norm_in", f"{ex}.norm_in", "RMSNorm"),
+            *linear_names(m, f"{q}.f.up", f"{mq}.f.up", f"{ex}.up"),
+            *linear_names(m, f"{q}.f.down", f"{mq}.f.down", f"{ex}.down"),
+            WeightName(f"{q}.head_norm_gain", f"{mq}.head_norm_gain", f"{ex}.head_norm_gain", False),
+        ]
+
+
+ARM = PerHeadNonlinear

@@ -1,0 +1,1 @@
+"""Export to Hugging Face transformers, generation, and importing the nonlinear-query authors' checkpoints."""

@@ -1,0 +1,53 @@
+"""Fault injection for tests. Production code carries no test hooks: a fault enters by replacing
+the loss function the engines imported (`engine_common.lm_loss`) for as long as a test says."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from unittest import mock
+
+ENGINE_MODULES = ("nlq_scale.train.engine_megatron", "nlq_scale.train.engine_deepspeed")
+
+
+def _nan_loss(real):
+    @functools.wraps(real)
+    def poisoned(*args, **kwargs):
+        return real(*args, **kwargs) * float("nan")
+
+    return poisoned
+
+
+@contextlib.contextmanager
+def nan_loss() -> Iterator[None]:
+    """Inside the block, every loss either engine computes is NaN (its gradients too)."""
+    import importlib
+
+    with contextlib.ExitStack() as stack:
+        for name in ENGINE_MODULES:
+            module = importlib.import_module(name)
+            stack.enter_context(mock.patch.object(module, "lm_loss", _nan_loss(module.lm_loss)))
+        yield
+
+
+def nan_loss_at_train_step(step: int) -> None:
+    """From now on in this process, the `step`-th call (1-based) of either engine's `train_step`
+    computes a NaN loss; evaluation and the other steps are untouched."""
+    from nlq_scale.train.engine_deepspeed import DeepSpeedEngine
+    from nlq_scale.train.engine_megatron import MegatronEngine
+
+    calls = 0
+
+    def wrap(train_step):
+        @functools.wraps(train_step)
+        def counted(self, tokens):
+            nonlocal calls
+            calls += 1
+            with nan_loss() if calls == step else contextlib.nullcontext():
+                return train_step(self, tokens)
+
+        return counted
+
+    for engine in (MegatronEngine, DeepSpeedEngine):
+        engine.train_step = wrap(engine.train_step)

@@ -1,0 +1,55 @@
+"""The command line explains itself: defaults in the help, an example per sweep/analysis command, and
+`--verbose` keeps the library warnings that are hidden by default."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, nlq
+
+EXAMPLED = ("plan", "submit", "status", "cancel", "compare", "fit", "import-csv", "quickstart")
+
+
+@pytest.mark.parametrize("command", EXAMPLED)
+def test_help_has_an_example(command):
+    r = nlq(command, "--help")
+    assert r.returncode == 0, r.stderr
+    assert f"example:\n  nlq-scale {command} " in r.stdout
+
+
+def test_help_shows_defaults():
+    r = nlq("submit", "--help")
+    assert "(default: slurm)" in " ".join(r.stdout.split())
+
+
+def _library_warnings_hidden(*flags: str) -> bool:
+    code = (
+        "import warnings\nfrom nlq_scale.cli import main\n"
+        f"main([*{list(flags)!r}, 'params', '--scale', 'cpu-xs', '--arm', 'linear'])\n"
+        "print(any('megatron' in getattr(f[3], 'pattern', f[3] or '') for f in warnings.filters))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_verbose_keeps_library_warnings():
+    assert _library_warnings_hidden()
+    assert not _library_warnings_hidden("--verbose")
+
+
+@pytest.mark.parametrize("command", [("train",), ("params",), ("config", "show")])
+def test_scale_and_arm_help_list_the_known_names(command):
+    text = " ".join(nlq(*command, "--help").stdout.split())
+    assert "known: 1.3b, 124m, 13b, 175b, 2.7b, 350m, 6.7b, 760m, cpu-m, cpu-s, cpu-xs" in text
+    assert "linear, linear-matched, linear-mlp4.75, nonlinear" in text
+
+
+def test_an_unknown_sweep_lists_the_known_ones():
+    r = nlq("plan", "no-such-sweep")
+    assert r.returncode == 2
+    assert "not found (known: ladder, paper-124m, smoke" in r.stderr

@@ -1,0 +1,108 @@
+"""The sweep commands' user-facing behaviour: `submit --only`, `submit` refusing what `train` would
+refuse, sbatch options from the cluster file, `status --watch`, `cancel`, and the per-run progress line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, nlq
+
+SMOKE = ("smoke", "train.steps=2", "train.warmup_steps=1", "train.eval_every=2", "checkpoint.every=2")
+
+
+def _dry_run(tmp_path: Path, data: Path, *args: str):
+    return nlq("submit", *SMOKE, "--root", str(tmp_path), "--dry-run", "--json", f"data.path={data}", *args)
+
+
+def test_submit_only_keeps_matching_runs(tmp_path, sample_dataset):
+    r = _dry_run(tmp_path, sample_dataset, "--only", "cpu-xs-*", "--only", "*-nonlinear-*")
+    assert r.returncode == 0, r.stderr
+    ids = [run["run_id"].rsplit("-s1234-", 1)[0] for run in json.loads(r.stdout)["runs"]]
+    assert ids == ["cpu-xs-linear", "cpu-xs-nonlinear", "cpu-s-nonlinear", "cpu-m-nonlinear"]
+
+
+def test_submit_only_that_matches_nothing_names_the_runs(tmp_path, sample_dataset):
+    r = _dry_run(tmp_path, sample_dataset, "--only", "350m-*")
+    assert r.returncode == 2
+    assert "--only 350m-*: matches none" in r.stderr and "cpu-xs-linear-s1234" in r.stderr
+
+
+def test_submit_refuses_a_validation_set_the_layout_cannot_split(tmp_path):
+    """train's preflight refuses val_sequences that dp x micro-batch does not divide; submit says so first."""
+    r = nlq("submit", "paper-124m", "--root", str(tmp_path), "--dry-run", "data.val_sequences=64")
+    assert r.returncode == 2
+    assert "data.val_sequences (64) must be a multiple of dp*micro_batch_size (8*12 = 96" in r.stderr
+    assert not (tmp_path / "paper-124m").exists()
+
+
+def _cluster_file(tmp_path: Path, **extra) -> Path:
+    raw = yaml.safe_load((REPO / "configs" / "clusters" / "example-8x80gb.yaml").read_text()) | extra
+    path = tmp_path / "my-cluster.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_sbatch_options_come_from_the_cluster_file(tmp_path):
+    from nlq_scale.cluster.executors import make_executor
+    from nlq_scale.cluster.plan import Layout, load_cluster
+
+    cluster = load_cluster(str(_cluster_file(tmp_path, exclusive=True, gres="gpu:8", exclude="node[07,12]",
+                                             account="proj42", qos="high")))
+    layout = Layout(nodes=2, tasks_per_node=8, tp=1, pp=1, dp=16, micro_batch_size=4, grad_accum=1,
+                    recompute="selective", sequence_parallel=False)
+    executor = make_executor("slurm", tmp_path / "submitit", cluster, layout, "ladder-124m")
+    script = executor._executor._make_submission_file_text("true", "uid")  # what sbatch would be given
+    for line in ("--exclusive", "--gres=gpu:8", "--exclude='node[07,12]'", "--account=proj42", "--qos=high",
+                 "--nodes=2", "--ntasks-per-node=8"):
+        assert f"#SBATCH {line}\n" in script, line
+    assert "--gpus-per-node" not in script  # gres asks for the GPUs instead
+
+
+def test_a_misspelt_sbatch_option_in_the_cluster_file_is_refused(tmp_path, sample_dataset):
+    path = _cluster_file(tmp_path, exclusiv=True)
+    r = nlq("plan", "ladder", "--cluster", str(path))
+    assert r.returncode == 2
+    assert "exclusiv" in r.stderr and str(path) in r.stderr
+
+
+def test_plan_help_lists_known_sweeps_clusters_and_an_example():
+    r = nlq("plan", "--help")
+    assert r.returncode == 0
+    assert "ladder, paper-124m, smoke" in r.stdout and "example-8x80gb, local" in r.stdout
+    assert "example:\n  nlq-scale plan ladder" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, sample_dataset) -> Path:
+    run = tmp_path_factory.mktemp("finished") / "sweep" / "one"
+    r = nlq("train", "--scale", "cpu-xs", "--arm", "linear", "--run-dir", str(run), f"data.path={sample_dataset}",
+            "train.steps=2", "train.warmup_steps=1", "train.eval_every=2", "checkpoint.every=2")
+    assert r.returncode == 0, r.stderr
+    return run
+
+
+@pytest.mark.slow  # the trained run takes > 20 s
+def test_progress_line_shows_step_loss_speed_and_eta(finished_run):
+    from nlq_scale.cluster.progress import progress_line
+
+    line = progress_line("one", finished_run)
+    assert line.startswith("one: step 2/2, loss ")
+    assert " tok/s, ETA 0:00:00" in line
+
+
+@pytest.mark.slow  # the trained run takes > 20 s
+def test_status_watch_ends_when_no_run_is_live(finished_run):
+    r = nlq("status", str(finished_run.parent), "--watch", "0.1", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "one" in r.stdout and "completed" in r.stdout
+
+
+@pytest.mark.slow  # the trained run takes > 20 s
+def test_cancel_without_jobs_cancels_nothing(finished_run):
+    r = nlq("cancel", str(finished_run.parent), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["cancelled"] == []

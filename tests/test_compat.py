@@ -1,0 +1,64 @@
+"""Every private upstream API the project touches is listed in its library's compat module; these
+fail, naming the API, when the installed library no longer provides it or left the version range
+the module was written for."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from nlq_scale.compat import MODULES, Private, version_problem
+
+REPO = Path(__file__).resolve().parents[1]
+COMPAT = [importlib.import_module(name) for name in MODULES]
+RELIED_ON = [(m.DISTRIBUTION, p) for m in COMPAT for p in m.RELIES_ON]
+
+
+@pytest.mark.parametrize("module", COMPAT, ids=lambda m: m.DISTRIBUTION)
+def test_installed_version_is_the_one_the_compat_module_was_written_for(module):
+    assert version_problem(module.DISTRIBUTION, module.WRITTEN_FOR) is None
+
+
+@pytest.mark.parametrize("private", [p for _, p in RELIED_ON], ids=[f"{d}:{p}" for d, p in RELIED_ON])
+def test_upstream_still_provides(private: Private):
+    assert private.problem() is None
+
+
+@pytest.mark.parametrize(
+    "private, message",
+    [
+        (Private("megatron.core.tensor_parallel.random", "_no_such_function"), "gone"),
+        (Private("nlq_scale.no_such_module", "x"), "gone"),
+        (Private("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", params=("state",)), "parameters are now"),
+        (Private("streaming.base.dataset:StreamingDataset.__init__", "self._no_such_attr", in_source=True), "no longer uses"),
+    ],
+)
+def test_a_changed_upstream_is_reported_by_name(private, message):
+    assert message in private.problem()
+
+
+def test_a_version_outside_the_range_is_reported():
+    assert "outside <0.1" in version_problem("submitit", "<0.1")
+
+
+# Private upstream names outside nlq_scale/compat would escape the checks above.
+_PRIVATE_USE = re.compile(
+    r"from (megatron|streaming|deepspeed|submitit|torch)\S* import _|"
+    r"\b(streaming\.base|submitit\.core|submitit\.local|deepspeed\.runtime|deepspeed\.comm|torch\.utils\.weak)\b|"
+    r"\b(mp_random|moe_utils|distrib_optimizer|env|dataset)\._[a-z]|"
+    r"[\"'](_shutdown_workers|_shm_prefix_int|_iterator|_executor|_resume_shm|_usr_sig)[\"']"
+)
+
+
+def test_no_private_upstream_use_outside_compat():
+    offenders = [
+        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+        for path in sorted((REPO / "nlq_scale").rglob("*.py"))
+        if "compat" not in path.parts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if _PRIVATE_USE.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert not offenders, "\n".join(offenders)
