@@ -258,11 +258,11 @@ def submit(
             _prepare_run_dir(d)
         fns = [TrainJob(d.run.cfg.model_dump(mode="json"), str(d.run_dir), train_fn) for d in group]
         if kind == "slurm":
-            jobs = _launch(lambda: _submit_array(executor, fns))
+            jobs = launch(lambda: _submit_array(executor, fns))
             records += [_record(d, kind, job) for d, job in zip(group, jobs)]
             continue
         for d, fn in zip(group, fns):  # one at a time: runs on one machine would only slow each other down
-            job = _launch(lambda: executor.submit(fn))
+            job = launch(lambda: executor.submit(fn))
             records.append(_record(d, kind, job))
             _wait_local(job, d)
     return records
@@ -292,7 +292,8 @@ def _submit_array(executor, fns: list) -> list:
     return jobs
 
 
-def _launch(submission):
+def launch(submission):
+    """Run a submitit submission outside any job's SLURM env; failures become one RunFailure line."""
     import submitit
 
     try:

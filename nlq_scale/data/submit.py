@@ -11,15 +11,13 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import subprocess
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
-from nlq_scale.compat import submitit as submitit_compat
 from nlq_scale.data.parts import merge_parts, parts_dir, prepare_part
 from nlq_scale.data.prepare import PrepareOptions, check_out_dir, input_files, planned_inputs
-from nlq_scale.errors import RunFailure, UsageError
+from nlq_scale.errors import UsageError
 
 
 def run_part(options: dict, index: int, count: int, workers: int | None = None) -> dict:
@@ -58,18 +56,9 @@ def _executor(cluster, folder: Path, name: str):
     return make_executor("slurm", folder, cpu_only, one_task, name)
 
 
-def _sbatch(submission):
-    import submitit
-
-    try:
-        with submitit.helpers.clean_env():  # a submission from inside a job must not inherit its SLURM env
-            return submission()
-    except (subprocess.CalledProcessError, *submitit_compat.submission_errors(), OSError) as e:
-        raise RunFailure(f"submission failed: {e}") from e
-
-
 def submit_parts(opts: PrepareOptions, count: int, cluster_name: str, *, keep_parts: bool = False) -> dict:
     """Queue the parts and the merge; returns their job ids and where submitit keeps the logs."""
+    from nlq_scale.cluster.executors import launch
     from nlq_scale.cluster.plan import load_cluster
 
     if shutil.which("sbatch") is None:
@@ -82,10 +71,10 @@ def submit_parts(opts: PrepareOptions, count: int, cluster_name: str, *, keep_pa
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     folder = parts_dir(out) / "_submitit" / f"{stamp}-{os.getpid()}"
     executor = _executor(cluster, folder, f"prepare-{out.name}")
-    parts = _sbatch(lambda: executor.map_array(run_part, [options] * count, range(1, count + 1), [count] * count))
+    parts = launch(lambda: executor.map_array(run_part, [options] * count, range(1, count + 1), [count] * count))
     array_id = parts[0].job_id.split("_")[0]
     executor.update_parameters(slurm_array_parallelism=1, slurm_additional_parameters={
         "requeue": True, "dependency": f"afterok:{array_id}", "kill-on-invalid-dep": "yes"})
-    merge = _sbatch(lambda: executor.submit(run_merge, str(out), opts.force, keep_parts))
+    merge = launch(lambda: executor.submit(run_merge, str(out), opts.force, keep_parts))
     return {"out": str(out), "outcome": "submitted", "parts": count, "parts_job": array_id,
             "merge_job": str(merge.job_id), "logs": str(folder)}
