@@ -27,6 +27,8 @@ VARIANTS = {
     "stock": [],
     "nobias-rmsqk": ["model.norm_bias=false", "model.qk_norm=rms"],
     "learnedqk-rope-gqa": ["model.qk_norm=learned", "model.position_embedding=rope", "model.num_query_groups=2"],
+    # muP at width multiplier 4 with the head dim twice the base's: init, logit and attention multipliers.
+    "mup": ["model.parametrization=mup", "model.mup_base_hidden_size=16", "model.mup_base_head_dim=8"],
 }
 # Further shapes and the control arms' config files (configs/arms/<name>.yaml).
 MORE = [
@@ -163,6 +165,19 @@ def test_accounting_and_weight_names_match_the_built_models(single_rank, arm, ov
     assert len({w.export for w in names}) == len(names)
     layer = {k.removeprefix("decoder.layers.0."): p for k, p in model.named_parameters() if k.startswith("decoder.layers.0.")}
     assert {w.megatron for w in names} <= set(layer)
+
+
+@pytest.mark.parametrize("arm, overrides", CASES)
+def test_every_parameter_has_a_mup_class_and_declared_matrices_are_hidden(single_rank, arm, overrides):
+    from nlq_scale.model import mup
+
+    m = case_config(arm, overrides).model
+    classes = {n: mup.param_class(m, n, p.dim()) for n, p in build(case_config(arm, overrides)).named_parameters()}
+    for w in arms.get(m.arm).weight_names(m):
+        assert classes[f"decoder.layers.0.{w.megatron}"] == ("hidden" if w.matrix else "vector"), w
+    assert classes["embedding.word_embeddings.weight"] == "embedding"
+    assert classes["decoder.layers.1.mlp.linear_fc2.weight"] == "hidden"
+    assert classes["decoder.final_layernorm.weight"] == "vector"
 
 
 @pytest.mark.parametrize("arm", arms.names())

@@ -45,11 +45,11 @@ def test_verbose_keeps_library_warnings():
 @pytest.mark.parametrize("command", [("train",), ("params",), ("config", "show")])
 def test_scale_and_arm_help_list_the_known_names(command):
     text = " ".join(nlq(*command, "--help").stdout.split())
-    assert "known: 1.3b, 124m, 13b, 175b, 2.7b, 350m, 6.7b, 760m, cpu-m, cpu-s, cpu-xs" in text
-    assert "linear, linear-matched, linear-mlp4.75, nonlinear" in text
+    assert "known: 1.3b, 124m, 13b, 175b, 2.7b, 350m, 6.7b, 760m, cpu-m, cpu-s, cpu-w128, cpu-w256, cpu-w64, cpu-xs" in text
+    assert "linear, linear-matched, linear-mlp4.75, linear-mup, nonlinear" in text
 
 
 def test_an_unknown_sweep_lists_the_known_ones():
     r = nlq("plan", "no-such-sweep")
     assert r.returncode == 2
-    assert "not found (known: ladder, paper-124m, smoke" in r.stderr
+    assert "not found (known: ladder, lr-transfer-cpu, paper-124m, smoke" in r.stderr

@@ -4,6 +4,7 @@ refuse, sbatch options from the cluster file, `status --watch`, `cancel`, and th
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,16 @@ def _cluster_file(tmp_path: Path, **extra) -> Path:
     return path
 
 
-def test_sbatch_options_come_from_the_cluster_file(tmp_path):
+def test_sbatch_options_come_from_the_cluster_file(tmp_path, monkeypatch):
     from nlq_scale.cluster.executors import make_executor
     from nlq_scale.cluster.plan import Layout, load_cluster
+
+    # submitit's SLURM executor wants an `srun` on PATH; this test only renders the sbatch script, so
+    # it must not depend on whether an earlier test installed SLURM on this machine.
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
 
     cluster = load_cluster(str(_cluster_file(tmp_path, exclusive=True, gres="gpu:8", exclude="node[07,12]",
                                              account="proj42", qos="high")))
@@ -72,7 +80,8 @@ def test_a_misspelt_sbatch_option_in_the_cluster_file_is_refused(tmp_path, sampl
 def test_plan_help_lists_known_sweeps_clusters_and_an_example():
     r = nlq("plan", "--help")
     assert r.returncode == 0
-    assert "ladder, paper-124m, smoke" in r.stdout and "example-8x80gb, local" in r.stdout
+    text = " ".join(r.stdout.split())  # argparse wraps the help
+    assert "ladder, lr-transfer-cpu, paper-124m, smoke" in text and "example-8x80gb, local" in text
     assert "example:\n  nlq-scale plan ladder" in r.stdout
 
 

@@ -138,3 +138,37 @@ def test_memory_estimate_within_15_percent_of_bytes_allocated_on_cpu(arm):
     assert estimated_state == pytest.approx(state_bytes, rel=0.15)
     assert est.activations == pytest.approx(peak, rel=0.15)
     assert est.total == pytest.approx(state_bytes + peak, rel=0.15)
+
+
+def test_proxy_lr_search_prices_the_grid_at_the_proxy_width_and_the_confirmations_at_the_target():
+    from nlq_scale.cluster.plan import proxy_config, proxy_search_cost
+    from nlq_scale.cluster.sweep import sweep_path
+
+    cluster = load_cluster("example-8x80gb")
+    runs = plan_sweep(load_sweep(sweep_path("ladder")), cluster)
+    target = runs[0].spec.cfg
+    proxy = proxy_config(target, 384)
+    m, p = target.model, proxy.model
+    assert (p.hidden_size, p.num_layers, p.head_dim, p.num_attention_heads) == (384, m.num_layers, m.head_dim, 384 // m.head_dim)
+    assert (p.parametrization, p.mup_base_hidden_size) == ("mup", 384)
+    assert (proxy.train.steps, proxy.train.global_batch_size, p.seq_length) == (
+        target.train.steps, target.train.global_batch_size, m.seq_length)  # the target's tokens
+
+    cost = proxy_search_cost(runs, cluster, 384)
+    assert cost["grid_gpu_hours"] == pytest.approx(sum(r.plan.gpu_hours for r in runs))
+    per_run = {(r.spec.scale, r.spec.arm): r.plan.gpu_hours for r in runs}
+    # 3 seeds at eta* + 1 seed at each of its two grid neighbours = 5 of the grid's 9 target runs
+    assert cost["target_gpu_hours"] == pytest.approx(5 * sum(per_run.values()))
+    assert 0 < cost["proxy_gpu_hours"] < 0.1 * cost["grid_gpu_hours"]
+    assert cost["saving"] == pytest.approx(cost["grid_gpu_hours"] / (cost["proxy_gpu_hours"] + cost["target_gpu_hours"]))
+    with pytest.raises(UsageError, match="--lr-proxy 100: must be a multiple of the head dim"):
+        proxy_search_cost(runs, cluster, 100)
+
+
+def test_plan_prints_the_proxy_lr_search_beside_the_grid():
+    r = nlq("plan", "ladder", "--lr-proxy", "384", "--json")
+    assert r.returncode == 0, r.stderr
+    cost = json.loads(r.stdout)["lr_proxy"]
+    assert cost["width"] == 384 and cost["saving"] > 1
+    text = nlq("plan", "ladder", "--lr-proxy", "384").stdout
+    assert "per-rung grid vs proxy at width 384" in text and "x less" in text

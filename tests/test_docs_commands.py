@@ -32,6 +32,7 @@ REPO_ENTRIES = ("configs", "launch", "slurm", "nlq_scale", "pyproject.toml", "Ma
 NOT_RUN = {
     "slurm/local-cluster/start.sh": "starts a root SLURM cluster; tests/test_cluster_slurm.py runs it",
 }
+QUICKSTART_DATA = "runs/quickstart/data/sample-64"
 TWO_STEPS = ("train.steps=2", "train.warmup_steps=1", "train.eval_every=2", "checkpoint.every=2")
 FAST_DOCS = {"README.md", "gpu.md"}  # < 20 s on 2 cores; the others prepare data or train (a new doc: slow)
 
@@ -214,6 +215,9 @@ def _workdir(tmp: Path, inputs: DocInputs, doc_text: str) -> Path:
             (work / name).symlink_to(made())
     if "data/owt-1024" in doc_text and "--out data/owt-1024" not in doc_text:
         (work / "data" / "owt-1024").symlink_to(inputs.owt_1024)
+    if QUICKSTART_DATA in doc_text:  # what `make quickstart` leaves behind, for the sweeps that train on it
+        (work / QUICKSTART_DATA).parent.mkdir(parents=True)
+        (work / QUICKSTART_DATA).symlink_to(inputs.sample_64)
     return work
 
 

@@ -25,7 +25,12 @@ CASES = [pytest.param(arm, [], id=arm) for arm in arms.names()] + [
 ] + [
     pytest.param(arm, ["model.qk_norm=learned", "model.norm_bias=false"], id=f"{arm}-learnedqk-nobias")
     for arm in arms.names()
-] + [pytest.param(arms.baseline().name, ["model.qk_norm=rms"], id="baseline-rmsqk")]  # fmt: skip
+] + [pytest.param(arms.baseline().name, ["model.qk_norm=rms"], id="baseline-rmsqk")] + [
+    # muP: the logit multiplier travels in the exported config (the baseline then needs our modeling code)
+    pytest.param(arm, ["model.parametrization=mup", "model.mup_base_hidden_size=16", "model.mup_base_head_dim=8"],
+                 id=f"{arm}-mup")
+    for arm in (arms.baseline().name, "nonlinear")
+]  # fmt: skip
 
 
 def config(arm: str, overrides: list[str]):
@@ -239,14 +244,15 @@ def val_loss_of_export(out: Path, run_dir: Path) -> float:
 )
 def test_multi_rank_checkpoints_export_to_the_loss_the_ranks_logged(sample_dataset, tmp_path, arm, extra):
     """The ranks' own validation loss at the saved step (their TP/PP/DP model, fp32) is what the
-    export computes on the same sequences, and its greedy tokens are `nlq-scale generate`'s."""
+    export computes on the same sequences, and (at TP=2) its greedy tokens are `nlq-scale generate`'s."""
     run_dir, out = tmp_path / "run", tmp_path / "hf"
     train(run_dir, sample_dataset, 2, "--arm", arm, *extra)
     r = nlq("export", str(run_dir), "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     logged = [m["val/loss"] for m in read_metrics(run_dir) if m.get("step") == 3 and "val/loss" in m][-1]
     assert val_loss_of_export(out, run_dir) == pytest.approx(logged, abs=TOL)
-    assert generated(run_dir) == generated(out)
+    if "parallel.tp=2" in extra:  # generate reads checkpoints as export does: one sharded layout is enough
+        assert generated(run_dir) == generated(out)
 
 
 # ---------------------------------------------------------------- the authors' nanoGPT checkpoints

@@ -15,6 +15,7 @@ import numpy as np
 
 from nlq_scale.analysis import fits, stats
 from nlq_scale.analysis.divergence import Divergence, detect_divergence, detect_spikes
+from nlq_scale.analysis.lr import LrOptimum, LrScaling, lr_optimum, lr_scaling
 from nlq_scale.analysis.runs import Run
 from nlq_scale.arms import baseline
 from nlq_scale.errors import UsageError
@@ -47,8 +48,15 @@ class RunVerdict:
 @dataclass(frozen=True)
 class LrPoint:
     lr: float | None
-    mean: float
-    n: int
+    losses: np.ndarray  # final loss per seed
+
+    @property
+    def mean(self) -> float:
+        return float(self.losses.mean())
+
+    @property
+    def n(self) -> int:
+        return len(self.losses)
 
 
 @dataclass
@@ -163,6 +171,8 @@ class Comparison:
     fits: list[ArmFit]
     multipliers: list[Multiplier]
     trends: list[Trend]
+    lr_optima: list[LrOptimum]
+    lr_laws: list[LrScaling]
 
     @property
     def arms(self) -> list[str]:
@@ -199,7 +209,10 @@ def compare(runs: list[Run], options: Options) -> Comparison:
     ref_fit = arm_fits[0]  # the reference, on compute
     multipliers = [m for arm in others for m in compute_multipliers(cells, ref_fit, arm, scales, options)]
     trends = [gap_trend(cells, gaps, reference, arm, scales, options) for arm in others]
-    return Comparison(options, reference, verdicts, scales, cells, gaps, arm_fits, multipliers, trends)
+    optima = [lr_optimum(cells[(a, s)], options.resamples, rng, options.level)
+              for s in scales for a in arms if (a, s) in cells]  # fmt: skip
+    lr_laws = [lr_scaling(optima, arm) for arm in arms]
+    return Comparison(options, reference, verdicts, scales, cells, gaps, arm_fits, multipliers, trends, optima, lr_laws)
 
 
 def judge(run: Run, options: Options) -> RunVerdict:
@@ -238,7 +251,7 @@ def build_cells(runs: list[Run]) -> dict[tuple[str, str], Cell]:
 def best_lr_cell(arm: str, scale: str, by_lr: dict[float | None, list[Run]]) -> Cell:
     """Each arm is compared at its own best learning rate: the lowest mean final loss over seeds."""
     grid = [
-        LrPoint(lr, float(np.mean([r.final_loss for r in rs])), len(rs))
+        LrPoint(lr, np.array([r.final_loss for r in rs]))
         for lr, rs in sorted(by_lr.items(), key=lambda kv: (kv[0] is None, kv[0] or 0.0))
     ]
     best = min(grid, key=lambda p: p.mean)

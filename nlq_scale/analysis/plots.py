@@ -3,7 +3,8 @@
 - loss vs step, one panel per scale: every seed thin, the seed mean bold, each arm at its best lr;
 - final loss vs compute (or params) per arm with the fitted E + A x^-alpha;
 - relative improvement over the reference vs step, one line per scale (the nonlinear-query
-  paper's Figure 1).
+  paper's Figure 1);
+- with an LR grid: final loss vs learning rate per arm, a line per scale, the fitted optimum marked.
 """
 
 from __future__ import annotations
@@ -143,9 +144,37 @@ def relative_improvement(comp: Comparison) -> Figure | None:
     return fig
 
 
+def loss_vs_lr(comp: Comparison) -> Figure:
+    """One panel per arm: final loss (seed mean) against learning rate, a line per scale, the fitted
+    optimum eta* marked (hollow when it sits on the grid's edge)."""
+    fig, axes = _grid(len(comp.arms), "Final loss vs learning rate (★ = fitted optimum η*)")
+    palette = plt.get_cmap("viridis")
+    for ax, arm in zip(axes, comp.arms, strict=True):
+        for i, scale in enumerate(comp.scales):
+            cell = comp.cells.get((arm, scale))
+            if cell is None:
+                continue
+            color = palette(i / max(1, len(comp.scales) - 1))
+            points = [p for p in cell.lr_grid if p.lr is not None]
+            ax.plot([p.lr for p in points], [p.mean for p in points], "o-", color=color, lw=1.2, label=scale)
+            opt = next(o for o in comp.lr_optima if o.arm == arm and o.scale == scale)
+            if opt.lr is not None and opt.loss is not None:
+                ax.plot([opt.lr], [opt.loss], "*", ms=13, color=color, mfc="none" if opt.edge else color)
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("final val loss")
+        ax.set_title(arm)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, title="scale")
+    fig.tight_layout()
+    return fig
+
+
 def figures(comp: Comparison) -> dict[str, Figure]:
     """File stem -> figure, for the report."""
     out = {"loss_vs_step": loss_vs_step(comp)}
+    if any(len(c.lr_grid) > 1 for c in comp.cells.values()):
+        out["loss_vs_lr"] = loss_vs_lr(comp)
     has_compute = any(c.compute is not None for c in comp.cells.values())
     out["loss_vs_compute" if has_compute else "loss_vs_params"] = loss_vs_axis(
         comp, "compute" if has_compute else "params"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nlq_scale.analysis.compare import ArmFit, Cell, Comparison, Estimate, Gap, Multiplier, Trend, join_notes
+from nlq_scale.analysis.lr import LrOptimum, LrScaling
 
 SUMMARY_VERSION = 1
 
@@ -59,6 +60,8 @@ def summary(comp: Comparison, plots: dict[str, str] | None = None) -> dict[str, 
         "fits": [_fit_row(f) for f in comp.fits],
         "multipliers": [_multiplier_row(m) for m in comp.multipliers],
         "trends": [_trend_row(t) for t in comp.trends],
+        "lr_optima": [_optimum_row(o) for o in comp.lr_optima],
+        "lr_scaling": [_lr_law_row(law) for law in comp.lr_laws],
         "findings": findings(comp),
         "limits": limits(comp),
         "plots": plots or {},
@@ -107,6 +110,16 @@ def _trend_row(t: Trend) -> dict:
     return {"arm": t.arm, "axis": t.axis, "n_scales": t.n_scales, "slope_pct_points_per_decade": _num(t.slope),
             "ci_bootstrap": _ci(t.ci_bootstrap), "ci_residual": _ci(t.ci_residual),
             "distinguishable_from_zero": t.distinguishable, "note": t.note}
+
+
+def _optimum_row(o: LrOptimum) -> dict:
+    return {"arm": o.arm, "scale": o.scale, "params": o.params, "lr_opt": _num(o.lr), "ci": _ci(o.ci),
+            "loss_at_opt": _num(o.loss), "on_grid_edge": o.edge, "note": o.note}
+
+
+def _lr_law_row(law: LrScaling) -> dict:
+    return {"arm": law.arm, "exponent": _num(law.exponent), "coefficient": _num(law.coefficient),
+            "n_scales": law.n_scales, "note": law.note}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,6 +230,10 @@ def limits(comp: Comparison) -> list[str]:
     if with_ci:
         out.append(f"{len(excluded)} of {len(with_ci)} arm-vs-{comp.reference} gaps with an interval exclude zero "
                    f"at {comp.options.level:.0%}; the others cannot tell the arms apart.")
+    edges = [f"{o.arm} at {o.scale}" for o in comp.lr_optima if o.edge]
+    if edges:
+        out.append(f"The best learning rate is on the grid's edge for {', '.join(edges)}: that arm may do better "
+                   "beyond the grid, so its loss there (and any gap it enters) is an upper bound. Extend the grid.")
     return out
 
 
@@ -252,7 +269,11 @@ def markdown(comp: Comparison, plots: dict[str, str]) -> str:
         _cells_table(comp),
     ]
     if any(len(c.lr_grid) > 1 for c in comp.cells.values()):
-        parts += ["## Learning-rate grid", _lr_table(comp)]
+        parts += ["## Learning-rate grid", _lr_table(comp), "## Learning-rate optimum per arm x scale",
+                  "η*: vertex of a parabola in log LR through the grid's minimum and up to two neighbours each "
+                  "side; an optimum on the grid's edge is flagged (the true one may lie beyond the grid). "
+                  "η*(N) = c·N^b per arm over the scales with an interior optimum.",
+                  _optima_table(comp), _lr_laws_table(comp)]
     parts += [
         f"## Improvement over {comp.reference}",
         _gaps_table(comp),
@@ -293,6 +314,20 @@ def _lr_table(comp: Comparison) -> str:
         ["scale", "arm", "lr", "seeds", "mean final loss", ""],
         [[c.scale, c.arm, _g(p.lr), p.n, _g(p.mean, ".4f"), "best" if p.lr == c.best_lr else ""]
          for c in _ordered_cells(comp) for p in c.lr_grid],
+    )
+
+
+def _optima_table(comp: Comparison) -> str:
+    return _table(
+        ["scale", "arm", "η*", _ci_label(comp), "loss at η*", "note"],
+        [[o.scale, o.arm, _g(o.lr), _fmt_ci(o.ci, ".3g"), _g(o.loss, ".4f"), o.note] for o in comp.lr_optima],
+    )
+
+
+def _lr_laws_table(comp: Comparison) -> str:
+    return _table(
+        ["arm", "exponent b", "coefficient c", "scales", "note"],
+        [[law.arm, _g(law.exponent, ".3f"), _g(law.coefficient, ".3g"), law.n_scales, law.note] for law in comp.lr_laws],
     )
 
 

@@ -12,10 +12,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     sweeps, clusters = ", ".join(available("sweeps")), ", ".join(available("clusters"))
     p = sub.add_parser("plan", help="resources, memory and cost per run of a sweep",
-                       usage="nlq-scale plan SWEEP [key=value ...] [--cluster CLUSTER] [--json]",
+                       usage="nlq-scale plan SWEEP [key=value ...] [--cluster CLUSTER] [--lr-proxy WIDTH] [--json]",
                        epilog="example:\n  nlq-scale plan ladder --cluster example-8x80gb")
     _sweep_and_overrides(p, sweeps)
     _cluster(p, clusters)
+    p.add_argument("--lr-proxy", type=int, metavar="WIDTH",
+                   help="also price the proxy learning-rate search: each arm's grid at this width under muP "
+                        "(docs/mup.md), then every seed at the best LR plus one seed at each neighbour")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.set_defaults(func=cmd_plan)
 
@@ -93,17 +96,31 @@ def _load(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from nlq_scale.cli import emit_json
-    from nlq_scale.cluster.plan import plan_sweep, totals
+    from nlq_scale.cluster.plan import plan_sweep, proxy_search_cost, totals
 
     sweep, cluster = _load(args)
     runs = plan_sweep(sweep, cluster, args.overrides)
     plans = [r.plan for r in runs]
     doc = {"sweep": sweep.name, "cluster": cluster.name, "runs": [p.as_dict() for p in plans], "totals": totals(plans)}
+    if args.lr_proxy is not None:
+        doc["lr_proxy"] = proxy_search_cost(runs, cluster, args.lr_proxy)
     if args.json:
         emit_json(doc)
     else:
         print(_plan_table(doc))
+        if "lr_proxy" in doc:
+            print(_proxy_lines(doc["lr_proxy"]))
     return 0
+
+
+def _proxy_lines(cost: dict) -> str:
+    lines = [f"LR search, per-rung grid vs proxy at width {cost['width']} (muP):"]
+    for scale, row in cost["per_scale"].items():
+        lines.append(f"  scale {scale}: grid {row['grid']:.3g} GPU-h; proxy {row['proxy']:.3g} + target "
+                     f"{row['target']:.3g} = {row['proxy'] + row['target']:.3g} GPU-h")
+    lines.append(f"  sweep: grid {cost['grid_gpu_hours']:.3g} GPU-h; proxy strategy {cost['strategy_gpu_hours']:.3g} GPU-h"
+                 + (f" ({cost['saving']:.2f}x less)" if cost["saving"] else ""))
+    return "\n".join(lines)
 
 
 def _plan_table(doc: dict) -> str:

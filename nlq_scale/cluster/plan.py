@@ -421,3 +421,52 @@ def totals(plans: list[RunPlan]) -> dict:
 
     scales = list(dict.fromkeys(p.scale for p in plans))
     return {"per_scale": {s: agg([p for p in plans if p.scale == s]) for s in scales}, "sweep": agg(plans)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the proxy learning-rate search, priced
+
+
+def proxy_config(cfg: RunConfig, width: int) -> RunConfig:
+    """The run at `width`: its depth, head dim, batch, sequence length and tokens kept, heads (and GQA
+    groups) scaled with the width, under muP with `width` as the base (so its best learning rate is
+    the one to use at the full width)."""
+    m = cfg.model
+    if width % m.head_dim or width >= m.hidden_size:
+        raise UsageError(f"--lr-proxy {width}: must be a multiple of the head dim ({m.head_dim}) below "
+                         f"hidden_size ({m.hidden_size}) of {cfg.name}")
+    heads = width // m.head_dim
+    raw = cfg.model_dump(mode="json")
+    raw["model"].update(
+        hidden_size=width, num_attention_heads=heads, kv_channels=m.head_dim,
+        num_query_groups=None if m.num_query_groups is None else max(1, m.query_groups * heads // m.num_attention_heads),
+        parametrization="mup", mup_base_hidden_size=width,
+    )  # fmt: skip
+    raw["name"] = f"{cfg.name}-proxy{width}"
+    return build_run_config(raw, f"the {width}-wide proxy of {cfg.name}")
+
+
+def proxy_search_cost(runs: list[PlannedRun], cluster: ClusterConfig, width: int) -> dict:
+    """GPU-hours of the sweep's per-rung LR grid against the proxy strategy: per scale and arm, the
+    grid on the `width`-wide proxy (one seed), then the target at eta* with every seed plus one seed at
+    each neighbouring grid point to confirm the optimum."""
+    groups: dict[tuple[str, str], list[PlannedRun]] = {}
+    for r in runs:
+        groups.setdefault((r.spec.scale, r.spec.arm), []).append(r)
+    per_scale: dict[str, dict[str, float]] = {}
+    for (scale, arm), group in groups.items():
+        lrs, seeds = {r.spec.lr for r in group}, {r.spec.seed for r in group}
+        proxy = plan_run(proxy_config(group[0].spec.cfg, width), cluster, run_id=f"{group[0].spec.run_id}-proxy",
+                         scale=scale, arm=arm)  # fmt: skip
+        if not proxy.fits:
+            raise UsageError(f"--lr-proxy {width}: the proxy of {group[0].spec.run_id} cannot fit: {proxy.reason}")
+        per_run = sum(r.plan.gpu_hours for r in group) / len(group)
+        row = per_scale.setdefault(scale, {"grid": 0.0, "proxy": 0.0, "target": 0.0})
+        row["grid"] += sum(r.plan.gpu_hours for r in group)
+        row["proxy"] += len(lrs) * proxy.gpu_hours
+        row["target"] += (len(seeds) + min(2, len(lrs) - 1)) * per_run
+    total = {k: sum(row[k] for row in per_scale.values()) for k in ("grid", "proxy", "target")}
+    strategy = total["proxy"] + total["target"]
+    return {"width": width, "per_scale": per_scale, "grid_gpu_hours": total["grid"], "proxy_gpu_hours": total["proxy"],
+            "target_gpu_hours": total["target"], "strategy_gpu_hours": strategy,
+            "saving": total["grid"] / strategy if strategy else None}  # fmt: skip

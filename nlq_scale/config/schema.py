@@ -54,6 +54,17 @@ class _ModelFields(Strict):
         "rms (parameter-free RMS, eps 1e-6); true/false mean learned/none",
     )
     init_std: PositiveFloat = Field(0.02, description="weight init std (output layers scaled by 1/sqrt(2L))")
+    parametrization: Literal["standard", "mup"] = Field(
+        "standard",
+        description="mup: muP (Adam, Table 8 form) relative to mup_base_hidden_size, so a learning rate tuned "
+        "at the base width transfers (docs/mup.md)",
+    )
+    mup_base_hidden_size: PositiveInt | None = Field(
+        None, description="mup: the width whose init and learning rates this model keeps (width multiplier = hidden_size / this)"
+    )
+    mup_base_head_dim: PositiveInt | None = Field(
+        None, description="mup: the base head dim; set when head dim grows with width (attention scale ~ 1/head_dim)"
+    )
     softmax_scale: PositiveFloat | None = Field(
         None, description="None = the arm's default (1/sqrt(d_k); identity 1/(2 sqrt(d_k)))"
     )
@@ -99,6 +110,8 @@ class _ModelFields(Strict):
             raise ValueError(f"match_params_of is only for the {baseline} arm (a parameter-matched control)")
         if not self.norm_bias and self.transformer_impl != "local":
             raise ValueError("norm_bias=false needs transformer_impl=local (TE fuses its biased LayerNorm)")
+        if self.parametrization == "mup" and self.mup_base_hidden_size is None:
+            raise ValueError("parametrization=mup needs mup_base_hidden_size (the width the learning rate was tuned at)")
         if self.moe.num_experts is not None and self.add_bias_linear:
             raise ValueError("moe with add_bias_linear=true is unsupported (megatron in-place add on a view)")
         return self

@@ -21,6 +21,7 @@ from nlq_scale import arms
 from nlq_scale.arms.base import export_recipe
 from nlq_scale.config.schema import ModelConfig
 from nlq_scale.errors import UsageError
+from nlq_scale.model import mup
 from nlq_scale.model.accounting import ffn_hidden_size, resolve_model
 from nlq_scale.model.gpt import softmax_scale
 
@@ -85,11 +86,12 @@ def nlq_state(state: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
 
 
 def _plain_linear_query(m: ModelConfig) -> bool:
-    """The query is q = x W_Q under a 1/sqrt(d_k) scale and no QK-norm: what stock classes compute."""
+    """The query is q = x W_Q under a 1/sqrt(d_k) scale, no QK-norm and unscaled logits: what stock classes compute."""
     return (
         arms.get(m.arm).export_query(m) == export_recipe(q_proj=True)
         and m.qk_norm == "none"
         and math.isclose(softmax_scale(m), m.head_dim**-0.5, rel_tol=1e-12)
+        and mup.output_multiplier(m) == 1.0
     )
 
 
@@ -192,6 +194,7 @@ def _nlq(m: ModelConfig, s: dict[str, Tensor]):
         max_position_embeddings=m.seq_length, position_embedding=m.position_embedding,
         rope_theta=float(m.rotary_base), normalization=m.normalization, norm_bias=m.norm_bias, norm_eps=EPS,
         qk_norm=m.qk_norm, bias=m.add_bias_linear, softmax_scale=softmax_scale(m),
+        logits_scale=mup.output_multiplier(m),
         query=arms.get(m.arm).export_query(m), **_common(m),
     )  # fmt: skip
     return NlqForCausalLM(config), s

@@ -49,6 +49,7 @@ class NlqConfig(PretrainedConfig):
         qk_norm: str = "none",
         bias: bool = False,
         softmax_scale: float | None = None,
+        logits_scale: float = 1.0,
         query: dict | None = None,
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
@@ -71,6 +72,7 @@ class NlqConfig(PretrainedConfig):
         self.qk_norm = qk_norm
         self.bias = bias
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+        self.logits_scale = logits_scale  # muP's output multiplier
         self.query = query or {"x": 0.0, "q_proj": True, "q_mlp": None, "pre": None, "skip": False}
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
@@ -276,7 +278,7 @@ class NlqForCausalLM(PreTrainedModel, GenerationMixin):
         cache = past_key_values if use_cache else None
         for block in self.transformer.h:
             x = block(x, rope, mask, cache)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        logits = self.lm_head(self.transformer.ln_f(x) * self.config.logits_scale)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())

@@ -18,13 +18,16 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nlq_scale import arms
 from nlq_scale.config.schema import ModelConfig, ParallelConfig
+from nlq_scale.model import mup
 from nlq_scale.model.accounting import ffn_hidden_size, resolve_model
 from nlq_scale.model.norms import BlockNorm, HeadRMSNorm
 
 
 def softmax_scale(m: ModelConfig) -> float:
-    """model.softmax_scale, or the arm's default."""
-    return m.softmax_scale if m.softmax_scale is not None else arms.get(m.arm).softmax_scale(m)
+    """model.softmax_scale, or the arm's default (under muP with a base head dim, moved towards 1/d_head)."""
+    if m.softmax_scale is not None:
+        return m.softmax_scale
+    return arms.get(m.arm).softmax_scale(m) * mup.attention_multiplier(m)
 
 
 def transformer_config(m: ModelConfig, p: ParallelConfig, device: torch.device | None = None) -> TransformerConfig:
@@ -148,7 +151,7 @@ def build_gpt(
 ) -> GPTModel:
     """This pipeline stage's GPT. Call after parallel_state is initialised and the RNG seeded."""
     config = transformer_config(m, p, device)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(m, config),
         vocab_size=m.padded_vocab_size,
@@ -160,3 +163,9 @@ def build_gpt(
         position_embedding_type=m.position_embedding,
         rotary_base=m.rotary_base,
     )
+    mup.scale_hidden_init(model, m)
+    if post_process and mup.output_multiplier(m) != 1.0:
+        # A hook rather than a wrapper module: parameter names (checkpoints, export) stay megatron's.
+        multiplier = mup.output_multiplier(m)
+        model.output_layer.register_forward_hook(lambda _module, _inputs, out: (out[0] * multiplier, *out[1:]))
+    return model

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from nlq_scale import arms
 from nlq_scale.config.schema import ModelConfig
+from nlq_scale.model import mup
 from nlq_scale.model.accounting import ffn_hidden_size, resolve_model
 from nlq_scale.model.gpt import softmax_scale
 from nlq_scale.model.norms import HeadRMSNorm
@@ -120,6 +121,7 @@ class ReferenceGPT(nn.Module):
         self.ln_f = _norm(m, m.hidden_size)
         self.lm_head = None if m.tie_embeddings else nn.Linear(m.hidden_size, m.padded_vocab_size, bias=False)
         self._rope = rope_tables(m) if m.position_embedding == "rope" else None
+        self.output_multiplier = mup.output_multiplier(m)  # muP's logit multiplier (its init: the megatron model's)
         self._init_weights(m)
 
     def _init_weights(self, m: ModelConfig) -> None:
@@ -144,7 +146,7 @@ class ReferenceGPT(nn.Module):
             x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x, self._rope)
-        x = self.ln_f(x)
+        x = self.ln_f(x) * self.output_multiplier
         logits = x @ (self.wte.weight if self.lm_head is None else self.lm_head.weight).t()
         if labels is None:
             return logits

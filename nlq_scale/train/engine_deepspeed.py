@@ -33,6 +33,7 @@ from nlq_scale.compat import deepspeed as deepspeed_compat
 from nlq_scale.compat import megatron as megatron_compat
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
+from nlq_scale.model import mup
 from nlq_scale.model.gpt import build_gpt
 from nlq_scale.runtime import cpu_shim
 from nlq_scale.runtime.device import Device
@@ -116,12 +117,25 @@ def ds_config(cfg: RunConfig, dp: int, load_universal: bool = False) -> dict:
     }
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only, none on norms and biases (as megatron does)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def _param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict]:
+    """Weight decay on matrices only, none on norms and biases (as megatron does); under muP the
+    hidden matrices get their own group with its multipliers (nlq_scale.model.mup), which `set_lr`
+    and the group's weight decay and eps apply."""
+    m, wd = cfg.model, cfg.train.weight_decay
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not mup.is_mup(m):
+        return [
+            {"params": [p for _, p in params if p.dim() >= 2], "weight_decay": wd},
+            {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+    mult = mup.group_multipliers(m, cfg.train)
+    by_class: dict[str, list] = {c: [] for c in mult}
+    for n, p in params:
+        by_class[mup.param_class(m, n, p.dim())].append(p)
     return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": ps_, "weight_decay": wd * mult[c]["wd_mult"], "lr_mult": mult[c]["lr_mult"], "eps": mult[c]["eps"]}
+        for c, ps_ in by_class.items()
+        if ps_
     ]
 
 
@@ -187,7 +201,7 @@ class DeepSpeedEngine:
         with _quiet():
             engine, *_ = deepspeed.initialize(
                 model=model,
-                model_parameters=_param_groups(model, self.cfg.train.weight_decay),
+                model_parameters=_param_groups(model, self.cfg),
                 config=ds_config(self.cfg, self.sharding.dp, load_universal),
                 mpu=MegatronMpu(),
             )
@@ -195,7 +209,7 @@ class DeepSpeedEngine:
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)
 
     def _loss(self, tokens: Tensor) -> Tensor:
         inputs, labels = tokens[:, :-1], tokens[:, 1:]

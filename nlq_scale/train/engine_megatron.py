@@ -18,12 +18,30 @@ from torch import Tensor
 
 from nlq_scale.compat import megatron as megatron_compat
 from nlq_scale.config.schema import RunConfig
+from nlq_scale.model import mup
 from nlq_scale.model.gpt import build_gpt
 from nlq_scale.runtime.device import Device
 from nlq_scale.train.engine_common import StepStats, lm_loss, reduce_last_stage_mean
 
 # Reshardable across TP, PP and DP, so a run saved at one layout resumes at another.
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _mup_overrides(cfg: RunConfig, opt_config: OptimizerConfig) -> dict | None:
+    """muP's per-group multipliers (nlq_scale.model.mup) for hidden matrices, added to megatron's own
+    rule (no decay on 1-D params), which passing any overrides would otherwise drop. None under the
+    standard parametrization: megatron's default groups, unchanged."""
+    m = cfg.model
+    if not mup.is_mup(m):
+        return None
+    from megatron.core.optimizer import ParamKey, ParamWithNamePredicate, get_standard_config_overrides
+
+    hidden = ParamWithNamePredicate(
+        name="mup_hidden", fn=lambda param, name: mup.param_class(m, name, param.dim()) == "hidden"
+    )
+    overrides = get_standard_config_overrides(opt_config)
+    overrides[ParamKey(with_name_predicate=hidden)] = mup.group_multipliers(m, cfg.train)["hidden"]
+    return overrides
 
 
 class MegatronEngine:
@@ -53,22 +71,20 @@ class MegatronEngine:
             ),
             module=model,
         )
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=t.lr,
-                min_lr=t.lr * t.min_lr_ratio,
-                weight_decay=t.weight_decay,  # megatron skips 1-D params (norms, biases)
-                adam_beta1=t.beta1,
-                adam_beta2=t.beta2,
-                adam_eps=t.eps,
-                clip_grad=t.grad_clip,
-                use_distributed_optimizer=t.distributed_optimizer,
-                bf16=cfg.model.bf16,
-                params_dtype=self.tconfig.params_dtype,
-            ),
-            [self.model],
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.lr * t.min_lr_ratio,
+            weight_decay=t.weight_decay,  # megatron skips 1-D params (norms, biases)
+            adam_beta1=t.beta1,
+            adam_beta2=t.beta2,
+            adam_eps=t.eps,
+            clip_grad=t.grad_clip,
+            use_distributed_optimizer=t.distributed_optimizer,
+            bf16=cfg.model.bf16,
+            params_dtype=self.tconfig.params_dtype,
         )
+        self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides=_mup_overrides(cfg, opt_config))
         # Without these, data-parallel gradients are never reduced.
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.tconfig.grad_scale_func = self.optimizer.scale_loss

@@ -1,0 +1,228 @@
+"""The coordinate check (Tensor Programs V, Figure 5): does every activation keep its size as width grows?
+
+For each width, a 2-layer model of the arm (head dim fixed, heads = width / head dim, a small
+vocabulary) trains a few Adam steps with the megatron engine on one fixed synthetic token stream, and
+forward hooks record, on a fixed probe batch, the mean |activation| of every module (per role,
+averaged over layers) and of its change since init. The slope of log(mean |.|) against log(width)
+is ~0 when the parametrization is right for that module: under muP every slope should be flat, under
+the standard parametrization some (the logits, the updates) grow with width.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nlq_scale.model.mup import unwrapped
+
+if TYPE_CHECKING:  # torch is imported where a model is built: the CLI's parser imports this module
+    from torch import Tensor
+
+    from nlq_scale.config.schema import RunConfig
+
+HEAD_DIM = 16
+VOCAB = 512
+SEQ = 32
+# Few tokens per step: the infinite-width behaviour muP is built for needs tokens per step << width
+# (with as many tokens as hidden units the gradient is full rank and updates stop adding up coherently,
+# a finite-width effect that shows as slopes of +-0.3 at widths 64-512 with 8 x 64 tokens).
+BATCH = 2
+PROBE_ROWS = 16  # the probe averages over more tokens than a step trains on
+MUP_FLAT = 0.1  # |slope| every module must stay under with muP
+STANDARD_STEEP = 0.2  # |slope| some module must exceed under the standard parametrization
+_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
+
+
+@dataclass
+class CoordCheckSpec:
+    arm: str
+    parametrizations: tuple[str, ...] = ("standard", "mup")
+    widths: tuple[int, ...] = (64, 128, 256, 512)
+    steps: int = 20
+    lr: float = 3e-3  # cpu-xs's learning rate
+    seeds: tuple[int, ...] = (1, 2, 3, 4)  # small widths have few heads: one seed's attention logits are noisy
+
+
+@dataclass
+class Curves:
+    """Per module role: mean |activation| after training and mean |change since init|, per width."""
+
+    activation: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    update: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+
+def run_config(spec: CoordCheckSpec, parametrization: str, width: int, seed: int) -> RunConfig:
+    from nlq_scale.config import load_run_config
+
+    return load_run_config("cpu-xs", spec.arm, overrides=[
+        "model.num_layers=2", f"model.hidden_size={width}", f"model.num_attention_heads={width // HEAD_DIM}",
+        f"model.kv_channels={HEAD_DIM}", f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}",
+        "model.make_vocab_size_divisible_by=128", f"model.parametrization={parametrization}",
+        f"model.mup_base_hidden_size={spec.widths[0]}", f"train.global_batch_size={BATCH}",
+        f"train.micro_batch_size={BATCH}", f"train.lr={spec.lr}", "train.grad_clip=0", "train.weight_decay=0",
+        "train.warmup_steps=0", f"train.steps={spec.steps}", f"seed={seed}", "logging.wandb=false",
+    ])  # fmt: skip
+
+
+def token_batches(count: int, rows: int, seed: int) -> list[Tensor]:
+    """`count` batches of `rows` sequences from a Zipf-distributed token stream (something to learn),
+    the same at every width."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    probs = 1.0 / torch.arange(1, VOCAB + 1, dtype=torch.float64)
+    return [torch.multinomial(probs, rows * (SEQ + 1), replacement=True, generator=g).view(rows, SEQ + 1)
+            for _ in range(count)]  # fmt: skip
+
+
+def _first_tensor(out) -> Tensor:
+    """megatron's linears return (output, bias)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _role(name: str) -> str:
+    return _LAYER.sub("", unwrapped(name))
+
+
+class Recorder:
+    """Forward hooks on every module that holds parameters, the arm's query module and the core
+    attention (whose hook computes the causal attention logits from q and k)."""
+
+    def __init__(self, model) -> None:
+        self.outputs: dict[str, list[Tensor]] = defaultdict(list)
+        self.handles = []
+        for name, module in model.named_modules():
+            if name.endswith("core_attention"):
+                self.handles.append(module.register_forward_pre_hook(self._logits_hook(name, module), with_kwargs=True))
+            elif name.endswith(("self_attention.query", "output_layer")) or any(True for _ in module.parameters(recurse=False)):
+                self.handles.append(module.register_forward_hook(self._output_hook(name)))
+
+    def _output_hook(self, name: str):
+        def hook(_module, _inputs, out):
+            self.outputs[_role(name)].append(_first_tensor(out).detach().float().clone())
+
+        return hook
+
+    def _logits_hook(self, name: str, module):
+        import torch
+
+        def hook(_module, args, kwargs):
+            query, key = (list(args) + [kwargs.get("query"), kwargs.get("key")])[:2]
+            q, k = query.float(), key.float()  # [s, b, heads, d], [s, b, groups, d]
+            k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+            logits = torch.einsum("sbhd,tbhd->bhst", q, k) * module.softmax_scale
+            causal = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril()
+            self.outputs[_role(name).replace("core_attention", "attention_logits")].append(logits[..., causal].detach())
+
+        return hook
+
+    def take(self) -> dict[str, list[Tensor]]:
+        out, self.outputs = dict(self.outputs), defaultdict(list)
+        return out
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _probe(engine, recorder: Recorder, probe: Tensor) -> dict[str, list[Tensor]]:
+    engine.evaluate(probe)
+    return recorder.take()
+
+
+def measure_width(spec: CoordCheckSpec, parametrization: str, width: int, seed: int) -> tuple[dict, dict]:
+    """(mean |activation|, mean |change since init|) per module role at one width and seed."""
+    import torch
+
+    from nlq_scale.runtime.device import Device
+    from nlq_scale.train.engine_megatron import MegatronEngine
+
+    cfg = run_config(spec, parametrization, width, seed)
+    engine = MegatronEngine(cfg, Device(torch.device("cpu")))
+    batches = token_batches(spec.steps, BATCH, seed)
+    (probe,) = token_batches(1, PROBE_ROWS, seed + 10_000)
+    recorder = Recorder(engine.model)
+    try:
+        before = _probe(engine, recorder, probe)
+        for tokens in batches:
+            engine.set_lr(spec.lr)
+            engine.train_step(tokens)
+        recorder.take()  # the training steps' own activations
+        after = _probe(engine, recorder, probe)
+    finally:
+        recorder.close()
+    activation = {role: float(np.mean([t.abs().mean().item() for t in ts])) for role, ts in after.items()}
+    update = {
+        role: float(np.mean([(t - t0).abs().mean().item() for t, t0 in zip(ts, before[role], strict=True)]))
+        for role, ts in after.items()
+    }
+    return activation, update
+
+
+def slope(widths: list[int], values: list[float]) -> float:
+    """Least-squares slope of log(value) on log(width); 0 for a curve that is identically 0."""
+    if min(values) <= 0.0:
+        return 0.0 if max(values) <= 0.0 else math.inf
+    return float(np.polyfit(np.log(widths), np.log(values), 1)[0])
+
+
+def check(spec: CoordCheckSpec) -> dict:
+    """Needs a one-process torch.distributed world (nlq_scale.runtime.dist.distributed)."""
+    result = {"arm": spec.arm, "widths": list(spec.widths), "steps": spec.steps, "lr": spec.lr,
+              "seeds": list(spec.seeds), "head_dim": HEAD_DIM, "parametrizations": {}}  # fmt: skip
+    for parametrization in spec.parametrizations:
+        curves = Curves()
+        for width in spec.widths:
+            per_seed = [measure_width(spec, parametrization, width, seed) for seed in spec.seeds]
+            for role in per_seed[0][0]:
+                curves.activation[role].append(float(np.mean([a[role] for a, _ in per_seed])))
+                curves.update[role].append(float(np.mean([u[role] for _, u in per_seed])))
+        modules = {
+            role: {"activation": curves.activation[role], "update": curves.update[role],
+                   "slope": slope(spec.widths, curves.activation[role]),
+                   "update_slope": slope(spec.widths, curves.update[role])}  # fmt: skip
+            for role in curves.activation
+        }
+        steepest = max(max(abs(m["slope"]), abs(m["update_slope"])) for m in modules.values())
+        result["parametrizations"][parametrization] = {"modules": modules, "max_abs_slope": steepest}
+    result["verdict"] = verdict(result)
+    return result
+
+
+def verdict(result: dict) -> dict:
+    """muP: every |slope| (activation and update) < MUP_FLAT; standard: some > STANDARD_STEEP."""
+    p = result["parametrizations"]
+    out = {}
+    if "mup" in p:
+        out["mup_flat"] = p["mup"]["max_abs_slope"] < MUP_FLAT
+    if "standard" in p:
+        out["standard_drifts"] = p["standard"]["max_abs_slope"] > STANDARD_STEEP
+    return out
+
+
+def plot(result: dict, path) -> None:
+    """One panel per parametrization and statistic: mean |.| against width, a line per module."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    params = list(result["parametrizations"])
+    fig, axes = plt.subplots(2, len(params), figsize=(6 * len(params), 8), squeeze=False)
+    for col, name in enumerate(params):
+        for row, stat in enumerate(("activation", "update")):
+            ax = axes[row][col]
+            for i, (role, m) in enumerate(result["parametrizations"][name]["modules"].items()):
+                ax.plot(result["widths"], m[stat], marker="o", color=plt.get_cmap("tab20")(i % 20), label=role)
+            ax.set(xscale="log", yscale="log", xlabel="width", ylabel=f"mean |{stat}|",
+                   title=f"{result['arm']} {name}: {stat} after {result['steps']} steps")  # fmt: skip
+    axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
