@@ -46,7 +46,7 @@ def test_a_version_outside_the_range_is_reported():
 
 # Private upstream names outside nlq_scale/compat would escape the checks above.
 _PRIVATE_USE = re.compile(
-    r"from (megatron|streaming|deepspeed|submitit|torch)\S* import _|"
+    r"from (megatron|streaming|deepspeed|submitit|torch)\S* import _|\btiktoken(\.load|_ext)\b|"
     r"\b(streaming\.base|submitit\.core|submitit\.local|deepspeed\.runtime|deepspeed\.comm|torch\.utils\.weak)\b|"
     r"\b(mp_random|moe_utils|distrib_optimizer|env|dataset)\._[a-z]|"
     r"[\"'](_shutdown_workers|_shm_prefix_int|_iterator|_executor|_resume_shm|_usr_sig)[\"']"

@@ -78,14 +78,15 @@ def test_hidden_init_is_scaled_and_embeddings_are_not(single_rank):
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
-def test_mup_at_the_base_width_trains_exactly_as_standard(single_rank, engine_name):
-    """Every multiplier is 1 at w = 1, so only the parameter grouping differs: identical curves."""
+def test_mup_at_the_base_width_trains_as_standard(single_rank, engine_name):
+    """Every multiplier is 1 at w = 1; only the parameter grouping differs, which may change the
+    order of float sums (the hidden matrices sit in a group of their own): the same curve to rounding."""
     s = script()
     curves = []
     for extra in ([], ["model.parametrization=mup", "model.mup_base_hidden_size=64"]):
         cfg = s.config([*extra, "train.steps=4", "train.zero_stage=1"])
         curves.append(s.train(engine_for(engine_name, cfg), cfg, s.batches(cfg, 4, seed=0), 0))
-    assert curves[0] == curves[1]
+    assert curves[0] == pytest.approx(curves[1], rel=1e-6)
 
 
 def test_engines_agree_under_mup(single_rank):
@@ -108,7 +109,7 @@ def test_mup_needs_its_base_width():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arm", ["linear", "nonlinear", "preproj"])
+@pytest.mark.parametrize("arm", ["linear", "nonlinear"])
 def test_coord_check_separates_the_parametrizations(single_rank, arm):
     """Two seeds at the default settings (docs/mup.md has every arm at four seeds): under the
     standard parametrization the hidden outputs grow with width (slopes ~1.5), under muP no module

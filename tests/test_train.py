@@ -14,13 +14,14 @@ import torch
 
 from tests.conftest import REPO, SCRIPTS, last_by_step, nlq, read_metrics
 
-STEPS = 40
+STEPS = 30
+CHECKPOINT = 15  # the step the kill tests wait for
 
 
 def train_args(run_dir: Path, data: Path, arm: str = "nonlinear", *extra: str) -> list[str]:
     return [
         "train", "--scale", "cpu-xs", "--arm", arm, "--run-dir", str(run_dir),
-        f"data.path={data}", f"train.steps={STEPS}", "train.eval_every=5", "checkpoint.every=20",
+        f"data.path={data}", f"train.steps={STEPS}", "train.eval_every=5", f"checkpoint.every={CHECKPOINT}",
         "checkpoint.keep=3", "logging.wandb=false", *extra,
     ]  # fmt: skip
 
@@ -80,13 +81,13 @@ def test_sigkill_and_relaunch_is_bit_exact(uninterrupted, sample_dataset, tmp_pa
     engine, uninterrupted = uninterrupted
     run_dir = tmp_path / "killed"
     args = train_args(run_dir, sample_dataset, "nonlinear", f"train.engine={engine}")
-    kill_after_checkpoint(run_dir, args, 2, step=20)
+    kill_after_checkpoint(run_dir, args, 2, step=CHECKPOINT)
     out = run_to_end(args, 2)
-    assert "resuming from" in out and "step_20" in out
+    assert "resuming from" in out and f"step_{CHECKPOINT}" in out
     a, b = read_metrics(uninterrupted), read_metrics(run_dir)
     for key in ("train/loss", "val/loss", "data/hash"):
         want, got = last_by_step(a, key), last_by_step(b, key)
-        assert [got[s] for s in sorted(got) if s > 20] == [want[s] for s in sorted(want) if s > 20], key
+        assert [got[s] for s in sorted(got) if s > CHECKPOINT] == [want[s] for s in sorted(want) if s > CHECKPOINT], key
     assert any(r.get("event") == "resume" for r in b)
     final_a = model_tensors(engine, uninterrupted / "checkpoints" / f"step_{STEPS}", tmp_path)
     final_b = model_tensors(engine, run_dir / "checkpoints" / f"step_{STEPS}", tmp_path)
@@ -99,7 +100,7 @@ def test_saved_at_two_ranks_resumes_at_one(uninterrupted, sample_dataset, tmp_pa
     engine, uninterrupted = uninterrupted
     run_dir = tmp_path / "resharded"
     args = train_args(run_dir, sample_dataset, "nonlinear", f"train.engine={engine}")
-    kill_after_checkpoint(run_dir, args, 2, step=20)
+    kill_after_checkpoint(run_dir, args, 2, step=CHECKPOINT)
     run_to_end(args, 1)
     a, b = read_metrics(uninterrupted), read_metrics(run_dir)
     assert last_by_step(b, "data/hash") == last_by_step(a, "data/hash")  # same stream at dp 1 and 2
@@ -131,7 +132,7 @@ def test_saved_at_tp2_or_pp2_resumes_at_dp2_within_tolerance(uninterrupted, samp
         if own_init:
             straight = tmp_path / f"{saved_at}-straight"
             run_to_end([*train_args(straight, sample_dataset, "nonlinear", f"train.engine={engine}", *shorter), saved_at], 2)
-        kill_after_checkpoint(tmp_path / saved_at, [*args, saved_at], 2, step=10 if own_init else 20)
+        kill_after_checkpoint(tmp_path / saved_at, [*args, saved_at], 2, step=10 if own_init else CHECKPOINT)
         assert "resuming from" in run_to_end(args, 2)
         a, b = read_metrics(straight), read_metrics(tmp_path / saved_at)
         assert last_by_step(b, "data/hash") == last_by_step(a, "data/hash"), saved_at

@@ -37,6 +37,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="regress the improvement on log compute or log params (default compute)")
     p.add_argument("--strict", action="store_true", help="exit 1 (after writing the report) when a scaling fit is "
                    "not identifiable from its points")
+    p.add_argument("--group", metavar="SWEEP", help="only the runs of this sweep (their W&B group), e.g. one sweep "
+                   "of a W&B project that holds several")
     p.add_argument("--wandb", action="store_true", help="also log the tables and plots to a W&B run")
     p.add_argument("--wandb-project", default="nlq-scale")
     p.set_defaults(func=_compare)
@@ -101,7 +103,7 @@ def _compare(args: argparse.Namespace) -> int:
         divergence_margin=args.divergence_margin,
         trend_axis=args.trend_axis,
     )
-    comp = compare(load_runs(args.roots), options)
+    comp = compare(load_runs(args.roots, args.group), options)
     out = args.out or _default_out(args.roots[0])
     paths = write_report(comp, out)
     if args.wandb:

@@ -421,7 +421,7 @@ def log_to_wandb(comp: Comparison, paths: ReportPaths, project: str) -> str:
     run = wandb.init(project=project, job_type="analysis", mode=os.environ.get("WANDB_MODE", "offline"),
                      config={"reference": comp.reference, "bootstrap": data["bootstrap"], **data["options"]})
     try:
-        for name in ("cells", "gaps", "multipliers", "trends"):
+        for name in ("cells", "gaps", "multipliers", "trends", "lr_optima", "lr_scaling"):
             rows = [_flatten(r) for r in data[name]]
             if rows:
                 columns = sorted({k for r in rows for k in r})

@@ -56,6 +56,7 @@ class Run:
     flops_per_token: int | None
     first_nonfinite_train_step: int | None = None
     diverged_event_step: int | None = None  # the train loop's own divergence guard fired here
+    sweep: str | None = None  # the sweep that made the run (its W&B group)
 
     @property
     def has_val(self) -> bool:
@@ -85,17 +86,28 @@ class Run:
 # discovery
 
 
-def load_runs(roots: Iterable[str]) -> list[Run]:
+def load_runs(roots: Iterable[str], group: str | None = None) -> list[Run]:
     """Every run under the given roots; a root is a directory, a run directory, a W&B run
-    directory or `.wandb` file, or `wandb:ENTITY/PROJECT` for an online project."""
+    directory or `.wandb` file, or `wandb:ENTITY/PROJECT` for an online project. `group`: only the
+    runs of that sweep (the W&B group its runs carry)."""
     runs: list[Run] = []
     for root in roots:
-        found = _load_online(root[len(WANDB_PREFIX):]) if root.startswith(WANDB_PREFIX) else _load_local(Path(root))
+        found = _load_online(root[len(WANDB_PREFIX):], group) if root.startswith(WANDB_PREFIX) else _load_local(Path(root))
         if not found:
             raise UsageError(f"{root}: no runs found (expected run directories with {METRICS}, or W&B runs)")
         runs.extend(found)
+    if group is not None:
+        runs = _of_sweep(runs, group)
     _reject_duplicates(runs)
     return runs
+
+
+def _of_sweep(runs: list[Run], group: str) -> list[Run]:
+    kept = [r for r in runs if r.sweep == group]
+    if not kept:
+        found = ", ".join(sorted({r.sweep or "(none)" for r in runs}))
+        raise UsageError(f"--group {group}: none of the {len(runs)} runs found belong to it (sweeps: {found})")
+    return kept
 
 
 def _load_local(root: Path) -> list[Run]:
@@ -225,6 +237,7 @@ def build_run(
         flops_per_token=flops,
         first_nonfinite_train_step=_first_nonfinite_step(records, TRAIN_KEY),
         diverged_event_step=next((int(r["step"]) for r in records if r.get("event") == "diverged"), None),
+        sweep=cfg.sweep,
     )
 
 
@@ -353,11 +366,11 @@ def _wandb_state(run_summary: dict[str, Any], wandb_state: Any, exit_code: Any =
     return WANDB_STATES.get(state, state)
 
 
-def _load_online(project: str) -> list[Run]:
+def _load_online(project: str, group: str | None) -> list[Run]:
     import wandb
 
     try:
-        api_runs = list(wandb.Api().runs(project))
+        api_runs = list(wandb.Api().runs(project, filters={"group": group} if group else None))
     except Exception as e:  # the public API raises several types for auth/network/unknown project
         raise UsageError(f"{WANDB_PREFIX}{project}: cannot list W&B runs ({e})") from None
     runs = []

