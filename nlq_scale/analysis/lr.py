@@ -48,17 +48,17 @@ class LrScaling:
 
 def parabola_vertex(log_lrs: np.ndarray, losses: np.ndarray) -> tuple[float, float] | None:
     """(log LR, loss) at the vertex of the least-squares parabola through the points around the
-    minimum, kept inside those points; None when they do not curve upwards."""
+    minimum; None when they do not curve upwards or the vertex falls outside them (noise, not an optimum)."""
     i = int(np.argmin(losses))
     lo, hi = max(0, i - WINDOW), min(len(losses), i + WINDOW + 1)
     x, y = log_lrs[lo:hi], losses[lo:hi]
     if len(x) < 3:
         return None
     a, b, c = np.polyfit(x, y, 2)
-    if a <= 0:
+    vertex = -b / (2 * a) if a > 0 else math.inf
+    if not x.min() <= vertex <= x.max():
         return None
-    vertex = float(np.clip(-b / (2 * a), x.min(), x.max()))
-    return vertex, float(np.polyval((a, b, c), vertex))
+    return float(vertex), float(np.polyval((a, b, c), vertex))
 
 
 def lr_optimum(cell, resamples: int, rng: np.random.Generator, level: float) -> LrOptimum:
@@ -74,7 +74,8 @@ def lr_optimum(cell, resamples: int, rng: np.random.Generator, level: float) -> 
     fitted = None if edge else parabola_vertex(x, means)
     if fitted is None:
         best = points[int(np.argmin(means))]
-        note = "optimum on the grid's edge: extend the grid" if edge else "the grid does not curve up around its minimum"
+        note = ("optimum on the grid's edge: extend the grid" if edge else
+                "no parabola with its vertex among the points around the minimum: the grid's minimum")  # fmt: skip
         return LrOptimum(cell.arm, cell.scale, cell.params, best.lr, None, best.mean, edge, note)
     vertex, loss = fitted
     ci, note = _vertex_ci(points, x, resamples, rng, level)
