@@ -161,6 +161,7 @@ def loss_vs_lr(comp: Comparison) -> Figure:
             if opt.lr is not None and opt.loss is not None:
                 ax.plot([opt.lr], [opt.loss], "*", ms=13, color=color, mfc="none" if opt.edge else color)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels collide on a grid spanning < 2 decades
         ax.set_xlabel("learning rate")
         ax.set_ylabel("final val loss")
         ax.set_title(arm)
