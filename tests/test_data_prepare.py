@@ -225,3 +225,24 @@ def test_partial_dirs_of_dead_runs_are_removed(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", DOCS)
     assert run("--source", "jsonl", "--input", src, "--out", tmp_path / "ds")[0] == 0
     assert not dead.exists() and live.exists()
+
+
+def test_window_bytes_are_what_streamings_encoder_writes(tmp_path):
+    """The writer hands MDS each window as bytes: the shards must equal those of streaming's own
+    ndarray encoder, byte for byte."""
+    import numpy as np
+
+    from nlq_scale.data.prepare import PrepareOptions, mds_writer, window_writer
+
+    opts = PrepareOptions(source="text", inputs=[tmp_path], out=tmp_path / "unused", seq_len=16, shard_bytes=256)
+    windows = np.random.default_rng(0).integers(0, 50257, size=(40, opts.window), dtype=np.uint16)
+    encoded, ours = mds_writer(opts, tmp_path / "encoded"), mds_writer(opts, tmp_path / "ours")
+    write = window_writer(ours)
+    for w in windows:
+        encoded.write({"tokens": w})
+        write(w)
+    encoded.finish()
+    ours.finish()
+    files = sorted(p.name for p in (tmp_path / "encoded").iterdir())
+    assert len(files) > 3 and files == sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert all((tmp_path / "encoded" / f).read_bytes() == (tmp_path / "ours" / f).read_bytes() for f in files)

@@ -31,7 +31,8 @@ import numpy as np
 
 from nlq_scale.data.prepare import (
     SPLITS, Packer, PrepareOptions, Skips, Span, SplitStats, _documents, _staging_dir, build_dataset, check_out_dir,
-    counted, file_offsets, input_entry, input_files, mds_writer, planned_inputs, tokenized, val_threshold, write_splits,
+    counted, file_offsets, input_entry, input_files, mds_writer, planned_inputs, tokenized, val_threshold, window_writer,
+    write_splits,
 )
 from nlq_scale.data.tokenizer import gpt2_tokenizer
 from nlq_scale.errors import UsageError
@@ -274,7 +275,7 @@ def _write_shard_range(task: ShardTask) -> list[dict]:
     split; return their index entries."""
     window = task.opts.window
     writer = mds_writer(task.opts, task.scratch)
-    packer = Packer(window, lambda w: writer.write({"tokens": w}))
+    packer = Packer(window, window_writer(writer))
     for piece in _split_pieces(task, task.window_start * window, task.window_end * window):
         packer.add(piece)
     writer.finish()

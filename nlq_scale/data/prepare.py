@@ -418,10 +418,17 @@ def mds_writer(opts: PrepareOptions, out: Path):
                      hashes=["xxh64"], size_limit=opts.shard_bytes)
 
 
+def window_writer(writer) -> Callable[[np.ndarray], None]:
+    """Writes one window as a sample of `mds_writer`'s column. The column's fixed-shape uint16
+    encoding is the array's little-endian bytes, and MDS writes bytes given for a column as they
+    are: handing them over skips streaming's per-sample encoder lookup, two thirds of a merge's time."""
+    return lambda window: writer.write({"tokens": window.astype("<u2", copy=False).tobytes()})
+
+
 def write_splits(opts: PrepareOptions, documents: Iterable[tuple[int, np.ndarray]], staging: Path) -> dict[str, SplitStats]:
     """Route, pack and write `documents` ((key, tokens) in input order) into staging/{train,val}."""
     writers = {split: mds_writer(opts, staging / split) for split in SPLITS}
-    packers = {split: Packer(opts.window, lambda w, s=split: writers[s].write({"tokens": w})) for split in SPLITS}
+    packers = {split: Packer(opts.window, window_writer(writers[split])) for split in SPLITS}
     splitter = Splitter(opts.val_rule, packers["train"], packers["val"])
     for key, ids in documents:
         splitter.add(key, ids)
