@@ -6,12 +6,14 @@
   rank batch 16, with data.num_workers = 0 and with all cores as workers;
 - memmap_tokens_per_s: nanoGPT's reader (np.memmap of all tokens, random offsets), same shapes,
   measured in the same run on the same tokens;
-- loader_over_training (only with --train-run RUN_DIR): loader_tokens_per_s divided by the median
-  `tokens_per_s` of that run's metrics.jsonl (the whole run's consumption, so conservative for
-  data-parallel runs, where each rank has its own loader). The goal is >= 20 at the quickstart's
-  largest scale.
+- training_tokens_per_s: what training consumes, measured in the same run: `nlq-scale train` at the
+  quickstart's largest scale (cpu-m, linear arm, --train-steps steps on the sample corpus prepared
+  at its context of 64), the median `tokens_per_s` of its metrics.jsonl (the whole run's
+  consumption, so conservative for data-parallel runs, where each rank has its own loader);
+  --train-run RUN_DIR reads an existing run instead;
+- loader_over_training: loader_tokens_per_s / training_tokens_per_s (goal >= 20).
 
-Usage: python benchmarks/data_throughput.py [--seconds 5] [--work DIR] [--train-run RUN_DIR]
+Usage: python benchmarks/data_throughput.py [--seconds 5] [--train-steps 30] [--work DIR] [--train-run RUN_DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +33,7 @@ import torch
 
 SEQ = 1024
 BATCH = 16
+QUICKSTART_SCALE = "cpu-m"
 
 
 def _texts(corpus_files: list[Path]) -> list[str]:
@@ -96,24 +101,40 @@ def memmap_rate(dataset: Path, work: Path, seconds: float) -> float:
 
 
 def training_tokens_per_s(run_dir: Path) -> float:
-    rates = []
-    with (run_dir / "metrics.jsonl").open() as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("tokens_per_s"):
-                rates.append(float(record["tokens_per_s"]))
+    from nlq_scale.train.rundir import read_metrics
+
+    rates = [float(r["tokens_per_s"]) for r in read_metrics(run_dir) if r.get("tokens_per_s")]
     if not rates:
-        raise SystemExit(f"{run_dir}/metrics.jsonl: no tokens_per_s records")
+        raise SystemExit(f"{run_dir}: no tokens_per_s records in its metrics")
     return float(np.median(rates))
+
+
+def train_quickstart_scale(corpus: list[Path], work: Path, steps: int) -> Path:
+    """A short real training run at the quickstart's largest scale; returns its run directory."""
+    from nlq_scale.config import load_run_config
+    from nlq_scale.data.prepare import PrepareOptions, prepare
+
+    seq = load_run_config(QUICKSTART_SCALE, "linear").model.seq_length
+    data = work / f"ds-{seq}"
+    prepare(PrepareOptions(source="pile", inputs=corpus, out=data, seq_len=seq, val_fraction=0.1, force=True),
+            progress=False)
+    run_dir = work / "train"
+    cmd = [sys.executable, "-m", "nlq_scale.cli", "train", "--scale", QUICKSTART_SCALE, "--arm", "linear",
+           "--run-dir", str(run_dir), f"data.path={data}", f"train.steps={steps}", "train.eval_every=1000000",
+           "logging.wandb=false", f"checkpoint.every={steps}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"training run failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    return run_dir
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--work", type=Path, default=None, help="scratch dir (default: a temp dir, removed)")
-    parser.add_argument("--train-run", type=Path, default=None, help="a finished run dir to compare the loader with")
+    parser.add_argument("--train-steps", type=int, default=30, help="steps of the training run measured here")
+    parser.add_argument("--train-run", type=Path, default=None, help="read this finished run instead of training one")
     args = parser.parse_args()
-    training = training_tokens_per_s(args.train_run) if args.train_run else None
     work = args.work or Path(tempfile.mkdtemp(prefix="nlq-data-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
@@ -139,9 +160,12 @@ def main() -> None:
             "loader_tokens_per_s_all_workers": round(loader_rate(dataset, work / "tmp", cores, args.seconds)),
             "memmap_tokens_per_s": round(memmap_rate(dataset, work, args.seconds)),
         }
-        if training is not None:
-            result["training_tokens_per_s"] = round(training)
-            result["loader_over_training"] = round(result["loader_tokens_per_s"] / training, 1)
+        run_dir = args.train_run or train_quickstart_scale(corpus, work, args.train_steps)
+        training = training_tokens_per_s(run_dir)
+        result["training_scale"] = QUICKSTART_SCALE if args.train_run is None else str(run_dir)
+        result["training_tokens_per_s"] = round(training)
+        result["loader_over_training"] = round(result["loader_tokens_per_s"] / training, 1)
+        result["goal"] = {"loader_over_training": 20}
         print(json.dumps(result), flush=True)
     finally:
         if args.work is None:

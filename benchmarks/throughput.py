@@ -3,8 +3,14 @@ reference (linear) at the same shape, measured side by side in one run (interlea
 machine noise hits every variant alike). Prints one JSON line.
 
     python benchmarks/throughput.py [--hidden 512 --layers 8 --heads 8 --seq 512 --batch 8 --rounds 3]
+    python benchmarks/throughput.py --scale cpu-m [--batch 8 --rounds 10]   # a shipped scale's shape
 
-Goals: nonlinear_over_linear >= 0.97, harness_over_reference >= 1.0.
+A CPU "MFU" per variant: achieved model FLOP/s (training FLOPs per token from the accounting, the
+same count the GPU MFU uses, times tokens/s) over this machine's fp32 matmul peak at the same
+thread count, measured in the same run (the best of a few seconds of square matmuls, before and
+after the training steps).
+
+Goals: nonlinear_over_linear >= 0.97, harness_over_reference >= 1.0, mfu >= 0.75 for every arm.
 """
 
 from __future__ import annotations
@@ -25,12 +31,16 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="timed steps per variant (after one warm-up)")
+    p.add_argument("--scale", default=None, help="a shipped scale whose model shape to use (overrides --hidden ... --seq)")
+    p.add_argument("--matmul-size", type=int, default=2048, help="square fp32 matmul for the peak")
     return p.parse_args()
 
 
 def model_config(arm: str, a: argparse.Namespace):
     from nlq_scale.config import load_run_config
 
+    if a.scale:
+        return load_run_config(a.scale, arm)
     overrides = [
         f"model.num_layers={a.layers}",
         f"model.hidden_size={a.hidden}",
@@ -49,7 +59,7 @@ def megatron_step(arm: str, a: argparse.Namespace):
     cfg = model_config(arm, a)
     model_parallel_cuda_manual_seed(0)
     model = build_gpt(cfg.model, cfg.parallel)
-    positions = torch.arange(a.seq).unsqueeze(0).expand(a.batch, -1)
+    positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(a.batch, -1)
     return _stepper(model, lambda tokens: model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean())
 
 
@@ -58,6 +68,18 @@ def reference_step(a: argparse.Namespace):
 
     model = ReferenceGPT(model_config("linear", a).model)
     return _stepper(model, lambda tokens: model(tokens[:, :-1], tokens[:, 1:]).mean())
+
+
+def matmul_peak(n: int, seconds: float = 2.0) -> float:
+    """fp32 FLOP/s of the best n x n x n matmul in `seconds` (the machine's attainable peak)."""
+    x, y = torch.randn(n, n), torch.randn(n, n)
+    x @ y
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        x @ y
+        best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best
 
 
 def _stepper(model: torch.nn.Module, loss_fn):
@@ -75,11 +97,17 @@ def main() -> None:
     from nlq_scale.config.schema import ParallelConfig
     from nlq_scale.runtime.dist import distributed
 
+    from nlq_scale.model.accounting import flops_per_token
+
     a = parse()
+    arms = ("linear", "nonlinear", "identity")
+    models = {arm: model_config(arm, a).model for arm in arms}
+    seq = models["linear"].seq_length
     torch.manual_seed(0)
-    tokens = torch.randint(0, 50257, (a.batch, a.seq + 1))
+    tokens = torch.randint(0, 50257, (a.batch, seq + 1))
+    peak = matmul_peak(a.matmul_size)
     with distributed(ParallelConfig()):
-        steps = {arm: megatron_step(arm, a) for arm in ("linear", "nonlinear", "identity")}
+        steps = {arm: megatron_step(arm, a) for arm in arms}
         steps["reference_linear"] = reference_step(a)
         for step in steps.values():
             step(tokens)  # warm-up: allocator, autograd graph caches
@@ -89,20 +117,29 @@ def main() -> None:
                 start = time.perf_counter()
                 step(tokens)
                 seconds[name].append(time.perf_counter() - start)
-    tokens_per_step = a.batch * a.seq
+    peak = max(peak, matmul_peak(a.matmul_size))
+    tokens_per_step = a.batch * seq
     tps = {name: tokens_per_step / statistics.median(s) for name, s in seconds.items()}
+    flops = {name: flops_per_token(models[name.removeprefix("reference_")]) for name in tps}
+    mfu = {name: flops[name] * tps[name] / peak for name in tps}
+    m = models["linear"]
     print(
         json.dumps(
             {
                 "benchmark": "throughput",
-                "shape": {"hidden": a.hidden, "layers": a.layers, "heads": a.heads, "seq": a.seq, "batch": a.batch},
+                "scale": a.scale,
+                "shape": {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_attention_heads, "seq": seq,
+                          "batch": a.batch, "vocab": m.padded_vocab_size},
                 "threads": torch.get_num_threads(),
                 "rounds": a.rounds,
                 **{f"tokens_per_s_{name}": round(v, 1) for name, v in tps.items()},
                 "nonlinear_over_linear": round(tps["nonlinear"] / tps["linear"], 4),
                 "identity_over_linear": round(tps["identity"] / tps["linear"], 4),
                 "harness_over_reference": round(tps["linear"] / tps["reference_linear"], 4),
-                "goals": {"nonlinear_over_linear": 0.97, "harness_over_reference": 1.0},
+                "matmul_peak_gflops": round(peak / 1e9, 1),
+                **{f"model_gflops_{name}": round(flops[name] * tps[name] / 1e9, 1) for name in tps},
+                **{f"mfu_{name}": round(v, 3) for name, v in mfu.items()},
+                "goals": {"nonlinear_over_linear": 0.97, "harness_over_reference": 1.0, "mfu": 0.75},
             }
         )
     )

@@ -22,8 +22,9 @@ def _dry_run(tmp_path: Path, data: Path, *args: str):
 def test_submit_only_keeps_matching_runs(tmp_path, sample_dataset):
     r = _dry_run(tmp_path, sample_dataset, "--only", "cpu-xs-*", "--only", "*-nonlinear-*")
     assert r.returncode == 0, r.stderr
-    ids = [run["run_id"].rsplit("-s1234-", 1)[0] for run in json.loads(r.stdout)["runs"]]
-    assert ids == ["cpu-xs-linear", "cpu-xs-nonlinear", "cpu-s-nonlinear", "cpu-m-nonlinear"]
+    ids = [run["run_id"].rsplit("-lr", 1)[0] for run in json.loads(r.stdout)["runs"]]
+    kept = ["cpu-xs-linear", "cpu-xs-nonlinear", "cpu-s-nonlinear", "cpu-m-nonlinear"]
+    assert ids == [f"{run}-s{seed}" for run in kept for seed in (1234, 2345)]
 
 
 def test_submit_only_that_matches_nothing_names_the_runs(tmp_path, sample_dataset):

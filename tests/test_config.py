@@ -1,4 +1,5 @@
 import pytest
+import yaml
 
 from nlq_scale.config import available, load_run_config, parse_overrides
 from nlq_scale.errors import UsageError
@@ -66,3 +67,29 @@ def test_cli_bad_input_exits_2_with_one_line():
     assert r.stderr.count("\n") == 1 and "query width == hidden_size" in r.stderr
     r = nlq("params", "--scale", "124m")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--arm" in r.stderr
+
+
+def test_matched_mlp_width_is_solved_once_at_load_and_kept(tmp_path):
+    """match_params_of becomes a concrete model.ffn_hidden_size when the config is loaded; the saved
+    config carries it, reloads to the same width, and a run saved before the field existed resumes."""
+    from nlq_scale.config.load import build_run_config, dump_run_config
+    from nlq_scale.model.accounting import count_parameters
+    from nlq_scale.train.rundir import claim
+
+    cfg = load_run_config("cpu-s", "linear-matched")
+    width = cfg.model.ffn_hidden_size
+    assert width and width != round(cfg.model.mlp_ratio * cfg.model.hidden_size)
+    target = count_parameters(load_run_config("cpu-s", cfg.model.match_params_of).model).non_embedding
+    assert abs(count_parameters(cfg.model).non_embedding - target) <= cfg.model.num_layers * 2 * cfg.model.hidden_size
+    saved = yaml.safe_load(dump_run_config(cfg))
+    assert saved["model"]["ffn_hidden_size"] == width
+    assert build_run_config(saved).model.ffn_hidden_size == width
+    saved["model"]["ffn_hidden_size"] = width + 1
+    with pytest.raises(UsageError, match=r"model: ffn_hidden_size=\d+ does not match the parameters of"):
+        build_run_config(saved)
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved["model"].pop("ffn_hidden_size")  # as an earlier version wrote it
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert claim(run, cfg) is True

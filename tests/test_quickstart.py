@@ -12,7 +12,8 @@ from tests.conftest import REPO, nlq
 @pytest.mark.slow
 def test_quickstart_path_end_to_end(tmp_path):
     smoke = yaml.safe_load((REPO / "configs" / "sweeps" / "smoke.yaml").read_text())
-    smoke["horizon"] = {"tokens": 12 * 8 * 64}  # 12 steps instead of 120
+    smoke["horizon"] = {"tokens": 12 * 8 * 64}  # 12 steps instead of 80
+    smoke["seeds"] = smoke["seeds"][:1]  # CI time: the second seed runs the same path again
     smoke["overrides"] |= {"train.eval_every": 6, "checkpoint.every": 6, "logging.wandb": False}
     sweep = tmp_path / "smoke-small.yaml"
     sweep.write_text(yaml.safe_dump(smoke))

@@ -286,3 +286,22 @@ def test_wandb_run_of_a_resumed_run_has_each_step_once(sample_dataset, tmp_path)
     assert {h["_step"]: h["train/loss"] for h in rewound} == truth
     leaked = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert not leaked
+
+
+def test_run_files_are_named_only_by_the_rundir_module():
+    """Every part reads and writes a run's files through nlq_scale/train/rundir.py: no other module
+    has their names as a string of its own (messages and help may mention them)."""
+    import ast
+
+    from nlq_scale.train import rundir
+    from tests.conftest import REPO
+
+    names = {rundir.CONFIG_FILE, rundir.CHANGES_FILE, rundir.STATUS_FILE, rundir.METRICS_FILE, rundir.CHECKPOINTS_DIR}
+    found = []
+    for path in (REPO / "nlq_scale").rglob("*.py"):
+        if path == REPO / "nlq_scale" / "train" / "rundir.py":
+            continue
+        tree = ast.parse(path.read_text())
+        found += [f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in names]
+    assert not found, "\n".join(found)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -16,9 +15,10 @@ from pathlib import Path
 
 from nlq_scale import __version__
 from nlq_scale.arms import baseline
-from nlq_scale.config.load import build_run_config, dump_run_config
+from nlq_scale.config.load import build_run_config
 from nlq_scale.config.schema import ARMS
 from nlq_scale.errors import UsageError
+from nlq_scale.train.rundir import write_config, write_manifest, write_metrics, write_status
 
 Column = list[float | None]  # None = empty cell (not recorded on that row)
 
@@ -159,8 +159,7 @@ def _write_run_dir(run_dir: Path, spec: ImportSpec, records: list[dict]) -> None
     status = {"state": "completed", "step": last, "tokens": final_tokens, "last_checkpoint": None, "error": None,
               "total_steps": last, "slurm_job_id": None, "num_nodes": None, "started_at": None,
               "updated_at": now, "elapsed_s": None}
-    (run_dir / "config.yaml").write_text(dump_run_config(cfg))
-    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    (run_dir / "status.json").write_text(json.dumps(status, indent=2))
-    lines = [json.dumps(r, allow_nan=True) for r in records]
-    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    write_config(run_dir, cfg)
+    write_manifest(run_dir, manifest)
+    write_status(run_dir, status)
+    write_metrics(run_dir, records)

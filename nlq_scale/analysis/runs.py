@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
-import yaml
 
 from nlq_scale.config.load import build_run_config
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
-from nlq_scale.train.rundir import STATES, STATUS_FILE
+from nlq_scale.train.rundir import (
+    METRICS_FILE, STATES, STATUS_FILE, is_run_dir, read_config, read_json, read_manifest, read_metrics,
+)
 
-METRICS = "metrics.jsonl"
 VAL_KEY = "val/loss"
 TRAIN_KEY = "train/loss"
 WANDB_PREFIX = "wandb:"
@@ -94,7 +94,7 @@ def load_runs(roots: Iterable[str], group: str | None = None) -> list[Run]:
     for root in roots:
         found = _load_online(root[len(WANDB_PREFIX):], group) if root.startswith(WANDB_PREFIX) else _load_local(Path(root))
         if not found:
-            raise UsageError(f"{root}: no runs found (expected run directories with {METRICS}, or W&B runs)")
+            raise UsageError(f"{root}: no runs found (expected run directories with {METRICS_FILE}, or W&B runs)")
         runs.extend(found)
     if group is not None:
         runs = _of_sweep(runs, group)
@@ -118,26 +118,21 @@ def _load_local(root: Path) -> list[Run]:
     if root.is_file():
         return load_wandb_offline([root])
     found = list(_run_paths(root))
-    run_dirs = [p for p, is_run_dir in found if is_run_dir]
-    return [load_run_dir(p) for p in run_dirs] + load_wandb_offline([p for p, is_run_dir in found if not is_run_dir])
+    run_dirs = [p for p, of_ours in found if of_ours]
+    return [load_run_dir(p) for p in run_dirs] + load_wandb_offline([p for p, of_ours in found if not of_ours])
 
 
 def _run_paths(root: Path) -> Iterator[tuple[Path, bool]]:
     """(path, True) for run directories, (path, False) for W&B run directories that are not the
     mirror inside a run directory."""
     for dirpath, dirnames, filenames in os.walk(root):
-        if _is_run_dir(filenames):
+        if is_run_dir(filenames):
             dirnames.clear()  # its wandb/ subdirectory mirrors the same run
             yield Path(dirpath), True
         elif any(f.startswith("run-") and f.endswith(".wandb") for f in filenames):
             dirnames.clear()
             yield Path(dirpath), False
         dirnames.sort()
-
-
-def _is_run_dir(filenames: list[str]) -> bool:
-    """metrics.jsonl, or (pending, or failed before its first record) config.yaml + status.json."""
-    return METRICS in filenames or {"config.yaml", STATUS_FILE} <= set(filenames)
 
 
 def _reject_duplicates(runs: list[Run]) -> None:
@@ -157,56 +152,9 @@ def _reject_duplicates(runs: list[Run]) -> None:
 
 
 def load_run_dir(path: Path) -> Run:
-    cfg_path = path / "config.yaml"
-    if not cfg_path.is_file():
-        raise UsageError(f"{cfg_path}: missing (every run directory needs its resolved config)")
-    try:
-        raw_cfg = yaml.safe_load(cfg_path.read_text()) or {}
-    except yaml.YAMLError:
-        raise UsageError(f"{cfg_path}: malformed YAML") from None
-    if not isinstance(raw_cfg, dict):
-        raise UsageError(f"{cfg_path}: expected a mapping")
-    cfg = build_run_config(raw_cfg, str(cfg_path))
-    manifest = _read_json(path / "manifest.json", required=False) or {}
-    status = _read_json(path / STATUS_FILE, required=False) or {}
-    state = str(status.get("state") or "unknown")
-    records = read_metrics(path / METRICS) if (path / METRICS).is_file() else []
-    return build_run(cfg, records, state, manifest, source=str(path), run_id=cfg.name or path.name)
-
-
-def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
-    if not path.is_file():
-        if required:
-            raise UsageError(f"{path}: missing")
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{path}: malformed JSON (line {e.lineno})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{path}: expected a JSON object")
-    return data
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl records. A torn last line (the writer was killed mid-write) is skipped; a
-    malformed line anywhere else is an error."""
-    text = path.read_text()
-    lines = text.split("\n")
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines) and not text.endswith("\n"):
-                break
-            raise UsageError(f"{path}: line {number} is not valid JSON") from None
-        if not isinstance(record, dict) or "step" not in record:
-            raise UsageError(f"{path}: line {number}: expected an object with a 'step'")
-        records.append(record)
-    return records
+    cfg = read_config(path)
+    state = str(read_json(path / STATUS_FILE).get("state") or "unknown")
+    return build_run(cfg, read_metrics(path), state, read_manifest(path), source=str(path), run_id=cfg.name or path.name)
 
 
 # ---------------------------------------------------------------------------------------------

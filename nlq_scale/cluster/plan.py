@@ -32,7 +32,7 @@ from nlq_scale.cluster.sweep import RunSpec, SweepConfig, expand
 from nlq_scale.config.load import available, config_file, build_run_config, read_yaml, validation_message
 from nlq_scale.config.schema import ModelConfig, RunConfig, Strict
 from nlq_scale.errors import UsageError
-from nlq_scale.model.accounting import count_parameters, ffn_hidden_size, flops_per_token, resolve_model
+from nlq_scale.model.accounting import count_parameters, ffn_hidden_size, flops_per_token
 
 GB = 1024**3
 
@@ -177,7 +177,7 @@ def layer_activation_elements(m: ModelConfig, b: int, tp: int, sp: bool, recompu
 
 
 def activation_bytes(cfg: RunConfig, layout: Layout, first: bool, last: bool) -> float:
-    m = resolve_model(cfg.model)
+    m = cfg.model
     b, tp, pp = layout.micro_batch_size, layout.tp, layout.pp
     width = 2 if m.bf16 else 4
     per_layer = layer_activation_elements(m, b, tp, layout.sequence_parallel, layout.recompute)
@@ -197,7 +197,7 @@ def activation_bytes(cfg: RunConfig, layout: Layout, first: bool, last: bool) ->
 def memory_per_device(cfg: RunConfig, layout: Layout) -> Memory:
     """The fullest pipeline stage's bytes per device (first stage: embedding + in-flight micro-batches;
     last stage: output layer + logits)."""
-    m = resolve_model(cfg.model)
+    m = cfg.model
     w, g, o = _state_bytes_per_param(cfg, layout.dp)
     stages = [(True, layout.pp == 1), (False, True)] if layout.pp > 1 else [(True, True)]
     best: Memory | None = None

@@ -4,34 +4,14 @@ terminal is not silent while submitit sends the job's own output to log files.""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import TextIO
 
-from nlq_scale.train.rundir import read_status
+from nlq_scale.train.rundir import last_record, read_status
 
 PLAIN_EVERY_S = 30.0  # not a terminal (CI logs, pipes): a line this often, not a redraw per second
-
-
-def last_train_record(run_dir: Path) -> dict:
-    """The last metrics.jsonl record with a training loss, reading only the file's tail."""
-    path = run_dir / "metrics.jsonl"
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, f.seek(0, 2) - 16384))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return {}
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # the first line of the tail may be cut
-        if "train/loss" in record:
-            return record
-    return {}
 
 
 def progress_line(run_id: str, run_dir: Path) -> str:
@@ -39,7 +19,7 @@ def progress_line(run_id: str, run_dir: Path) -> str:
     if not status:
         return f"{run_id}: starting"
     step, total = status.get("step") or 0, status.get("total_steps")
-    record = last_train_record(run_dir)
+    record = last_record(run_dir, "train/loss")
     parts = [f"{run_id}: step {step}/{total or '?'}"]
     if "train/loss" in record:
         parts.append(f"loss {record['train/loss']:.4f}")

@@ -12,16 +12,15 @@ queued, no status yet.
 
 from __future__ import annotations
 
-import json
 import pickle
 from pathlib import Path
 from typing import Any
 
 from nlq_scale.cluster.executors import JOB_FILE, job_liveness, read_json
 from nlq_scale.compat import submitit as submitit_compat
-from nlq_scale.train.rundir import heartbeat_age, is_stale, read_status
+from nlq_scale.train.rundir import CONFIG_FILE, STATUS_FILE, heartbeat_age, is_stale, last_record, read_status
 
-MARKERS = ("status.json", JOB_FILE, "config.yaml")
+MARKERS = (STATUS_FILE, JOB_FILE, CONFIG_FILE)
 COLUMNS = ("run", "state", "step", "tokens", "val_loss", "job", "nodes", "elapsed", "error")
 
 
@@ -36,22 +35,6 @@ def find_run_dirs(root: Path, depth: int = 3) -> list[Path]:
         if child.is_dir() and not child.name.startswith(("_", ".")):
             out += find_run_dirs(child, depth - 1)
     return out
-
-
-def last_val_loss(run_dir: Path) -> float | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    value = None
-    with path.open() as f:
-        for line in f:
-            if '"val/loss"' not in line:
-                continue
-            try:
-                value = json.loads(line)["val/loss"]
-            except (json.JSONDecodeError, KeyError):
-                continue  # a line cut by a kill
-    return value
 
 
 class _BuiltinsOnly(pickle.Unpickler):
@@ -99,7 +82,7 @@ def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None
         "step": status.get("step"),
         "total_steps": status.get("total_steps"),
         "tokens": status.get("tokens"),
-        "val_loss": last_val_loss(run_dir),
+        "val_loss": last_record(run_dir, "val/loss", tail_bytes=None).get("val/loss"),
         # submitit's id (array tasks as 12_3, as squeue shows them), else what the job itself saw.
         "slurm_job_id": (job.get("job_id") if job.get("executor") == "slurm" else None) or status.get("slurm_job_id"),
         "job_id": job.get("job_id"),

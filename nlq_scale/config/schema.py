@@ -36,8 +36,12 @@ class _ModelFields(Strict):
     num_query_groups: PositiveInt | None = Field(None, description="GQA groups; None = one per head")
     kv_channels: PositiveInt | None = Field(None, description="head dim; default hidden/heads")
     mlp_ratio: PositiveFloat = Field(4.0, description="MLP width / hidden size")
+    ffn_hidden_size: PositiveInt | None = Field(
+        None, description="MLP width; None = mlp_ratio x hidden_size. With match_params_of it is solved when the "
+        "config is loaded (a given value must equal the solution)"
+    )
     match_params_of: ArmName | None = Field(
-        None, description="baseline arm only: solve mlp_ratio so non-embedding params match this arm"
+        None, description="baseline arm only: solve ffn_hidden_size so non-embedding params match this arm"
     )
     seq_length: PositiveInt = Field(1024, description="context length (tokens per sequence)")
     vocab_size: PositiveInt = Field(50257, description="tokenizer vocabulary (GPT-2 BPE)")
@@ -108,6 +112,8 @@ class _ModelFields(Strict):
         baseline = arms.baseline().name
         if self.match_params_of is not None and self.arm != baseline:
             raise ValueError(f"match_params_of is only for the {baseline} arm (a parameter-matched control)")
+        if self.match_params_of is not None:
+            self._solve_matched_width()
         if not self.norm_bias and self.transformer_impl != "local":
             raise ValueError("norm_bias=false needs transformer_impl=local (TE fuses its biased LayerNorm)")
         if self.parametrization == "mup" and self.mup_base_hidden_size is None:
@@ -115,6 +121,21 @@ class _ModelFields(Strict):
         if self.moe.num_experts is not None and self.add_bias_linear:
             raise ValueError("moe with add_bias_linear=true is unsupported (megatron in-place add on a view)")
         return self
+
+    def _solve_matched_width(self) -> None:
+        """Resolve match_params_of once, here at the edge, into the concrete MLP width every part
+        then reads. Written past validate_assignment, which would re-enter this validator."""
+        from nlq_scale.model.accounting import matched_ffn_hidden_size  # accounting imports this module
+
+        solved = matched_ffn_hidden_size(self)
+        if self.ffn_hidden_size is None:
+            self.__dict__["ffn_hidden_size"] = solved
+            self.__pydantic_fields_set__.add("ffn_hidden_size")
+        elif self.ffn_hidden_size != solved:
+            raise ValueError(
+                f"ffn_hidden_size={self.ffn_hidden_size} does not match the parameters of {self.match_params_of} "
+                f"(solved: {solved}); leave it unset with match_params_of"
+            )
 
 
 # The arms' option sections (model.nlq, model.preproj, ...) come from the registry.

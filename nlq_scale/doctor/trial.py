@@ -5,7 +5,6 @@ run's metrics. Everything runs offline: the data is the bundled sample corpus.""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -75,21 +74,20 @@ def _kill_after_checkpoint(cmd: list[str], marker: Path, timeout_s: float = 1800
     proc.wait()
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _losses_after(records: list[dict], step: int) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in records if "train/loss" in r and r["step"] > step}
 
 
 def run_trial(trial: Trial, work: Path, data: Path, steps: int, device: str, peak: float | None) -> dict:
+    from nlq_scale.train.checkpoint import COMPLETE
+    from nlq_scale.train.rundir import CHECKPOINTS_DIR, read_metrics
+
     straight, killed = work / f"{trial.name}-straight", work / f"{trial.name}-killed"
     _run(_train_cmd(trial, straight, data, steps, device, peak))
     cmd = _train_cmd(trial, killed, data, steps, device, peak)
-    _kill_after_checkpoint(cmd, killed / "checkpoints" / f"step_{steps // 2}" / "complete.json")
+    _kill_after_checkpoint(cmd, killed / CHECKPOINTS_DIR / f"step_{steps // 2}" / COMPLETE)
     _run(cmd)
-    want, got = _metrics(straight), _metrics(killed)
+    want, got = read_metrics(straight), read_metrics(killed)
     half = steps // 2
     train = [r for r in want if "tokens_per_s" in r and r["step"] > 2]  # past compile/warm-up steps
     mfu = [r["mfu"] for r in train if r.get("mfu") is not None]

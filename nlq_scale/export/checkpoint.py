@@ -22,6 +22,7 @@ from nlq_scale.config.schema import ParallelConfig, RunConfig
 from nlq_scale.errors import UsageError
 from nlq_scale.train import untrusted
 from nlq_scale.train.checkpoint import CheckpointDir
+from nlq_scale.train.rundir import read_config
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,7 @@ class Checkpoint:
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Checkpoint:
     """The run's checkpoint at `step` (default: the newest complete one); UsageError naming what is wrong."""
-    from nlq_scale.config.load import load_run_config
-
-    config = run_dir / "config.yaml"
-    if not config.is_file():
-        raise UsageError(f"{config}: missing; {run_dir} is not a run directory")
+    cfg = read_config(run_dir)
     ckpts = CheckpointDir(run_dir, keep=0)
     if step is None:
         path = ckpts.newest_complete(lambda _: None)
@@ -54,7 +51,6 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Checkpoint:
         problem = ckpts.problem(path)
         if problem is not None:
             raise UsageError(problem)
-    cfg = load_run_config(config_path=config)
     cfg = cfg.model_copy(
         update={"parallel": ParallelConfig(), "model": cfg.model.model_copy(update={"bf16": False})}
     )

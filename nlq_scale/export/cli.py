@@ -76,12 +76,13 @@ def run_export(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from nlq_scale.cli import emit_json
     from nlq_scale.export import generate
+    from nlq_scale.train.rundir import CONFIG_FILE
 
     if args.top_k is not None and args.temperature is None:
         raise UsageError("--top-k: needs --temperature (greedy decoding takes the top token)")
     sampling = generate.Sampling(args.temperature, args.top_k, args.seed)
     sampling.check()
-    if (args.source / "config.yaml").is_file():
+    if (args.source / CONFIG_FILE).is_file():
         result = generate.from_run(args.source, args.step, args.prompt, args.max_new_tokens, sampling)
     elif (args.source / "config.json").is_file():
         if args.step is not None:

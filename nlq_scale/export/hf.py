@@ -22,7 +22,7 @@ from nlq_scale.arms.base import export_recipe
 from nlq_scale.config.schema import ModelConfig
 from nlq_scale.errors import UsageError
 from nlq_scale.model import mup
-from nlq_scale.model.accounting import ffn_hidden_size, resolve_model
+from nlq_scale.model.accounting import ffn_hidden_size
 from nlq_scale.model.gpt import softmax_scale
 
 EPS = 1e-5  # the harness's norm epsilon (nlq_scale.model.gpt.transformer_config)
@@ -206,7 +206,6 @@ BUILDERS = {"gpt2": _gpt2, "arcee": _arcee, None: _nlq}
 def hf_model(state: dict[str, Tensor], m: ModelConfig, stock: bool = True):
     """The transformers model holding these weights (fp32, eval mode); `stock=False`: NlqForCausalLM
     even where a stock class fits (one implementation for every arm, as benchmarks/decode.py wants)."""
-    m = resolve_model(m)
     if m.moe.num_experts:
         raise UsageError("model.moe: export of MoE models is not supported")
     if arms.get(m.arm).export_query(m) is None:

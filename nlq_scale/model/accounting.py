@@ -18,7 +18,9 @@ from nlq_scale.config.schema import ModelConfig
 
 
 def ffn_hidden_size(m: ModelConfig) -> int:
-    return int(round(m.mlp_ratio * m.hidden_size))
+    """The MLP width: model.ffn_hidden_size (which loading solves for a parameter-matched control),
+    else mlp_ratio x hidden_size."""
+    return m.ffn_hidden_size or int(round(m.mlp_ratio * m.hidden_size))
 
 
 def layer_params(m: ModelConfig) -> dict[str, int]:
@@ -58,7 +60,6 @@ class ParamCount:
 
 
 def count_parameters(m: ModelConfig) -> ParamCount:
-    m = resolve_model(m)
     d, vocab = m.hidden_size, m.padded_vocab_size
     per_layer = layer_params(m)
     blocks = m.num_layers * sum(per_layer.values()) + norm_params(m, d)  # + final layernorm
@@ -75,8 +76,7 @@ def count_parameters(m: ModelConfig) -> ParamCount:
 
 
 def flops_per_token(m: ModelConfig) -> int:
-    """Training FLOPs per token (forward + backward). count_parameters resolves match_params_of;
-    nothing else here depends on the MLP width it solves."""
+    """Training FLOPs per token (forward + backward)."""
     arm = arms.get(m.arm)
     counts = count_parameters(m)
     # 6 x every parameter outside the query path (it prices its own), + the logit projection.
@@ -86,16 +86,16 @@ def flops_per_token(m: ModelConfig) -> int:
     return matmul + attention
 
 
-def resolve_model(m: ModelConfig) -> ModelConfig:
-    """Solve `match_params_of` into a concrete mlp_ratio (the control arm's MLP width)."""
-    if m.match_params_of is None:
-        return m
-    target = count_parameters(m.model_copy(update={"arm": m.match_params_of, "match_params_of": None}))
-    base = m.model_copy(update={"match_params_of": None})
-    deficit = target.non_embedding - count_parameters(base).non_embedding
+def matched_ffn_hidden_size(m: ModelConfig) -> int:
+    """The MLP width at which m's non-embedding parameters equal those of arm `m.match_params_of` at
+    the same shape (the parameter-matched control). The config's validation calls this once, when
+    the config is loaded, and stores the result in model.ffn_hidden_size."""
+    free = m.model_copy(update={"match_params_of": None, "ffn_hidden_size": None})
+    target = count_parameters(free.model_copy(update={"arm": m.match_params_of}))
+    deficit = target.non_embedding - count_parameters(free).non_embedding
     experts = m.moe.num_experts or 1
     per_unit = m.num_layers * experts * (2 * m.hidden_size + (1 if m.add_bias_linear else 0))
-    ffn = ffn_hidden_size(base) + round(deficit / per_unit)
+    ffn = ffn_hidden_size(free) + round(deficit / per_unit)
     if ffn <= 0:
         raise ValueError(f"match_params_of={m.match_params_of}: no positive MLP width matches")
-    return base.model_copy(update={"mlp_ratio": ffn / m.hidden_size})
+    return ffn

@@ -43,16 +43,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def summary(scale: str, arm: str, overrides: list[str]) -> dict:
     from nlq_scale.config.load import load_run_config
-    from nlq_scale.model.accounting import count_parameters, flops_per_token, resolve_model
+    from nlq_scale.model.accounting import count_parameters, ffn_hidden_size, flops_per_token
 
     cfg = load_run_config(scale=scale, arm=arm, overrides=overrides)
-    m = resolve_model(cfg.model)
+    m = cfg.model
     counts = count_parameters(m)
     return {
         "scale": scale,
         "arm": arm,
         "model_arm": m.arm,
-        "mlp_ratio": m.mlp_ratio,
+        "ffn_hidden_size": ffn_hidden_size(m),
         "layers": m.num_layers,
         "hidden_size": m.hidden_size,
         "params": counts.as_dict(),
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         emit_json(info)
         return 0
     p = info["params"]
-    print(f"{info['scale']} / {info['arm']} (model.arm={info['model_arm']}, mlp_ratio={info['mlp_ratio']:.4g})")
+    print(f"{info['scale']} / {info['arm']} (model.arm={info['model_arm']}, ffn_hidden_size={info['ffn_hidden_size']})")
     print(f"  total params          {p['total']:>16,}  ({p['total'] / 1e6:.2f}M)")
     print(f"  non-embedding params  {p['non_embedding']:>16,}  ({p['non_embedding'] / 1e6:.2f}M)")
     print(f"  embedding params      {p['embedding']:>16,}")

@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nlq_scale import arms
 from nlq_scale.config.schema import ModelConfig, ParallelConfig
 from nlq_scale.model import mup
-from nlq_scale.model.accounting import ffn_hidden_size, resolve_model
+from nlq_scale.model.accounting import ffn_hidden_size
 from nlq_scale.model.norms import BlockNorm, HeadRMSNorm
 
 
@@ -35,7 +35,6 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, device: torch.device |
     its weights on the current device; fused kernels are asked for only where they are installed."""
     from nlq_scale.runtime.kernels import probe
 
-    m = resolve_model(m)
     on_gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
     kernels = probe()
     dtype = torch.bfloat16 if m.bf16 else torch.float32

@@ -17,7 +17,7 @@ from torch import Tensor
 from nlq_scale import arms
 from nlq_scale.config.schema import ModelConfig
 from nlq_scale.model import mup
-from nlq_scale.model.accounting import ffn_hidden_size, resolve_model
+from nlq_scale.model.accounting import ffn_hidden_size
 from nlq_scale.model.gpt import softmax_scale
 from nlq_scale.model.norms import HeadRMSNorm
 from nlq_scale.model.query import ACTIVATIONS
@@ -113,7 +113,6 @@ class ReferenceGPT(nn.Module):
         super().__init__()
         if m.moe.num_experts:
             raise ValueError("the reference model has no MoE")
-        m = resolve_model(m)
         self.config = m
         self.wte = nn.Embedding(m.padded_vocab_size, m.hidden_size)
         self.wpe = nn.Embedding(m.seq_length, m.hidden_size) if m.position_embedding == "learned_absolute" else None

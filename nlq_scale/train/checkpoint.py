@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from nlq_scale.errors import RunFailure
 from nlq_scale.train import untrusted
-from nlq_scale.train.rundir import atomic_write
+from nlq_scale.train.rundir import CHECKPOINTS_DIR, atomic_write
 
 COMPLETE = "complete.json"
 # Errors that mean the filesystem is out of room, whoever raised them.
@@ -70,7 +70,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class CheckpointDir:
     def __init__(self, run_dir: Path, keep: int, keep_every: int = 0) -> None:
-        self.root = run_dir / "checkpoints"
+        self.root = run_dir / CHECKPOINTS_DIR
         self.keep = keep
         self.keep_every = keep_every
 

@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         train_run(cfg, args.run_dir)
         return 0
     from nlq_scale.runtime.launch import launch_local
+    from nlq_scale.train.rundir import CONFIG_FILE
 
-    config_path = args.run_dir / "config.yaml"  # written by preflight: the ranks read what was resolved
+    config_path = args.run_dir / CONFIG_FILE  # written by preflight: the ranks read what was resolved
     code = launch_local(["-m", "nlq_scale.train.entry", "--config", str(config_path), "--run-dir", str(args.run_dir)], args.nproc)
     return 0 if code == 0 else (2 if code == 2 else 1)

@@ -19,7 +19,7 @@ from nlq_scale.train.checkpoint import CheckpointDir
 from nlq_scale.train.divergence import DivergenceGuard
 from nlq_scale.train.feed import DataFeed
 from nlq_scale.train.metrics import MetricsWriter
-from nlq_scale.train.rundir import Status, manifest, write_json
+from nlq_scale.train.rundir import Status, manifest, write_manifest
 from nlq_scale.train.schedule import lr_at
 from nlq_scale.train.signals import StopFlag
 
@@ -88,7 +88,7 @@ class Trainer:
                 "engine": cfg.train.engine,
                 "zero_stage": self._zero_stage(),
             }
-            write_json(run_dir / "manifest.json", manifest(cfg, layout_info, dataset_manifest_sha256(cfg.data), accounting(cfg)))
+            write_manifest(run_dir, manifest(cfg, layout_info, dataset_manifest_sha256(cfg.data), accounting(cfg)))
         event = {"event": "resume", "checkpoint": str(resumed_from)} if resumed_from else {"event": "start"}
         self.metrics.write({"step": self.step, "tokens": self.tokens} | event)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nlq_scale.config.schema import RunConfig
+from nlq_scale.train.rundir import METRICS_FILE
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -97,7 +98,7 @@ class MetricsWriter:
         self.enabled = enabled
         self.start_step = start_step
         self.total_steps = cfg.train.steps
-        self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self._file = open(run_dir / METRICS_FILE, "a") if enabled else None
         self.wandb = WandbMirror(cfg, run_dir, start_step if resume else None) if enabled else None
         self._tty = sys.stdout.isatty()
         self._t0 = time.time()

@@ -1,6 +1,7 @@
 """The run directory contract: config.yaml, config-changes.jsonl, manifest.json, status.json,
-metrics.jsonl, checkpoints/. Files are replaced atomically so a killed job never leaves half a file,
-and a reader (`status`) never sees one."""
+metrics.jsonl, checkpoints/. Training, cluster, analysis, export and doctor all read and write a
+run's files through this module (checkpoints/ holds what train/checkpoint.py keeps there). Files are
+replaced atomically so a killed job never leaves half a file, and a reader (`status`) never sees one."""
 
 from __future__ import annotations
 
@@ -10,17 +11,21 @@ import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
-from nlq_scale.config.load import dump_run_config
+from nlq_scale.config.load import build_run_config, dump_run_config
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
 
 STATES = ("pending", "running", "preempted", "diverged", "completed", "failed")
-STATUS_FILE = "status.json"
+CONFIG_FILE = "config.yaml"
 CHANGES_FILE = "config-changes.jsonl"
+MANIFEST_FILE = "manifest.json"
+STATUS_FILE = "status.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
 # Keys a resumed run may change: how it is logged, checkpointed, evaluated and laid out on devices.
 # Everything else (model, arm, data, seeds, LR schedule, global batch, ...) is the run's identity.
 OPERATIONAL = (
@@ -67,6 +72,98 @@ def read_status(run_dir: Path) -> dict:
     return read_current(run_dir / STATUS_FILE)
 
 
+def write_status(run_dir: Path, status: dict) -> None:
+    if status.get("state") not in STATES:
+        raise ValueError(f"unknown state {status.get('state')}")
+    write_json(run_dir / STATUS_FILE, status)
+
+
+def is_run_dir(filenames: Iterable[str]) -> bool:
+    """A run directory's files: metrics, or (pending, or failed before its first record) config + status."""
+    names = set(filenames)
+    return METRICS_FILE in names or {CONFIG_FILE, STATUS_FILE} <= names
+
+
+def read_config(run_dir: Path) -> RunConfig:
+    """config.yaml as this version resolves it; UsageError naming the file when missing or invalid."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise UsageError(f"{path}: missing; {run_dir} is not a run directory")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"{path}: unreadable run config ({e})") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path}: expected a mapping")
+    return build_run_config(raw, str(path))
+
+
+def write_config(run_dir: Path, cfg: RunConfig) -> None:
+    atomic_write(run_dir / CONFIG_FILE, dump_run_config(cfg))
+
+
+def write_manifest(run_dir: Path, data: dict) -> None:
+    write_json(run_dir / MANIFEST_FILE, data)
+
+
+def read_manifest(run_dir: Path) -> dict:
+    manifest = read_json(run_dir / MANIFEST_FILE)
+    if not isinstance(manifest, dict):
+        raise UsageError(f"{run_dir / MANIFEST_FILE}: expected a JSON object")
+    return manifest
+
+
+def write_metrics(run_dir: Path, records: list[dict]) -> None:
+    atomic_write(run_dir / METRICS_FILE, "".join(json.dumps(r, allow_nan=True) + "\n" for r in records))
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's records (none if it does not exist yet). A torn last line (the writer was
+    killed mid-write) is skipped; a malformed line anywhere else is an error."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise UsageError(f"{path}: line {number} is not valid JSON") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise UsageError(f"{path}: line {number}: expected an object with a 'step'")
+        records.append(record)
+    return records
+
+
+def last_record(run_dir: Path, key: str, tail_bytes: int | None = 16384) -> dict:
+    """The last metrics record holding `key`, from a file that may be being written: reading only
+    its last `tail_bytes` (None: all of it), skipping cut lines; {} if there is none."""
+    try:
+        with (run_dir / METRICS_FILE).open("rb") as f:
+            if tail_bytes is not None:
+                f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return {}
+    needle = json.dumps(key)
+    for line in reversed(lines):
+        if needle not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # cut by the tail's start or by a kill
+        if key in record:
+            return record
+    return {}
+
+
 def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -82,9 +179,11 @@ def claim(run_dir: Path, cfg: RunConfig, create: bool = True) -> bool:
     with `create`, config.yaml is updated and the change appended to config-changes.jsonl. An
     identity key that differs is a UsageError naming it, and nothing is touched."""
     text = dump_run_config(cfg)
-    config_path = run_dir / "config.yaml"
+    config_path = run_dir / CONFIG_FILE
     if config_path.exists():
-        existing, wanted = yaml.safe_load(config_path.read_text()), yaml.safe_load(text)
+        # as this version resolves it (new keys at their defaults, a parameter-matched MLP width solved):
+        # a run saved by an earlier version compares by what it means, not by how it was written
+        existing, wanted = yaml.safe_load(dump_run_config(read_config(run_dir))), yaml.safe_load(text)
         changed = sorted(k for k in _diff_keys(existing, wanted) if not _unused_arm_section(k, existing, wanted))
         identity = [k for k in changed if not k.startswith(OPERATIONAL)]
         if identity:
@@ -191,8 +290,8 @@ class Status:
     step_time_s is the longest interval between two steps so far (kept across resumes)."""
 
     def __init__(self, run_dir: Path, total_steps: int, num_nodes: int) -> None:
-        self.path = run_dir / STATUS_FILE
-        previous = read_json(self.path)
+        self.run_dir = run_dir
+        previous = read_json(run_dir / STATUS_FILE)
         now = time.time()
         self.data = {
             "state": previous.get("state", "pending"),
@@ -214,8 +313,6 @@ class Status:
         self._last_step_at: float | None = None
 
     def update(self, **fields: Any) -> None:
-        if "state" in fields and fields["state"] not in STATES:
-            raise ValueError(f"unknown state {fields['state']}")
         now = time.time()
         if fields.get("state") == "running":
             self._last_step_at = now  # the first step's interval counts from here
@@ -224,5 +321,6 @@ class Status:
             self._last_step_at = now
             fields["step_time_s"] = max(interval, self.data["step_time_s"] or 0.0)
         elapsed = self._elapsed_before + now - self._session_start
-        self.data.update(fields, updated_at=now, heartbeat_at=now, elapsed_s=elapsed)
-        write_json(self.path, self.data)
+        data = self.data | fields | {"updated_at": now, "heartbeat_at": now, "elapsed_s": elapsed}
+        write_status(self.run_dir, data)
+        self.data = data
