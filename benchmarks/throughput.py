@@ -39,9 +39,10 @@ def parse() -> argparse.Namespace:
 def model_config(arm: str, a: argparse.Namespace):
     from nlq_scale.config import load_run_config
 
+    fp32 = ["model.bf16=false"]  # the CPU measures fp32 (the GPU rungs default to bf16)
     if a.scale:
-        return load_run_config(a.scale, arm)
-    overrides = [
+        return load_run_config(a.scale, arm, overrides=fp32)
+    overrides = [*fp32,
         f"model.num_layers={a.layers}",
         f"model.hidden_size={a.hidden}",
         f"model.num_attention_heads={a.heads}",

@@ -3,6 +3,9 @@ get_forward_backward_func, and dist_checkpointing with a fully reshardable optim
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,6 +45,19 @@ def _mup_overrides(cfg: RunConfig, opt_config: OptimizerConfig) -> dict | None:
     overrides = get_standard_config_overrides(opt_config)
     overrides[ParamKey(with_name_predicate=hidden)] = mup.group_multipliers(m, cfg.train)["hidden"]
     return overrides
+
+
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """megatron's optimizer runs a full gc.collect() whenever it builds its fully reshardable state
+    (every save and load). Scanning the process's ~0.5 M long-lived objects (model, optimizer,
+    imported modules) took 0.24 s of a 0.57 s load here; frozen for the call, the collection sees
+    only what the call itself creates (load 0.34 s). Unfrozen afterwards, so nothing is kept alive."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class MegatronEngine:
@@ -139,7 +155,7 @@ class MegatronEngine:
 
     def _sharded_state(self, is_loading: bool) -> dict:
         model_state = self.model.module.sharded_state_dict()
-        with megatron_compat.unpadded_param_positions(self.optimizer):
+        with megatron_compat.unpadded_param_positions(self.optimizer), _gc_frozen():
             optimizer_state = self.optimizer.sharded_state_dict(
                 model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT
             )
