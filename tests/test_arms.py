@@ -182,11 +182,11 @@ def test_every_parameter_has_a_mup_class_and_declared_matrices_are_hidden(single
 
 @pytest.mark.parametrize("arm", arms.names())
 def test_planner_activation_memory_within_15_percent_of_measured(arm):
-    """Method: tests/memory_probe.py (torch.profiler's allocator events over a forward + backward of
+    """Method: nlq_scale/model/memory.py (torch.profiler's allocator events over a forward + backward of
     the reference model, fp32, selective recompute since SDPA keeps no s^2). The shape keeps the
     layers' activations ~10x the logits', so an arm's own term (nonlinear: ~15%) is visible."""
     from nlq_scale.cluster.plan import Layout, memory_per_device
-    from tests.memory_probe import measure
+    from nlq_scale.model.memory import measure
 
     cfg = load_run_config("cpu-xs", overrides=[f"model.arm={arm}", "parallel.recompute=selective", *LAYER_BOUND])
     _, peak = measure(cfg)

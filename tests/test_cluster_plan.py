@@ -124,9 +124,9 @@ def test_plan_cli_reports_layout_memory_cost_and_totals():
 
 @pytest.mark.parametrize("arm", ["linear", "nonlinear"])
 def test_memory_estimate_within_15_percent_of_bytes_allocated_on_cpu(arm):
-    """Measured as tests/memory_probe.py says (the reference model, fp32 AdamW, torch.profiler's
+    """Measured as nlq_scale/model/memory.py says (the reference model, fp32 AdamW, torch.profiler's
     allocator events); tests/test_arms.py checks the activations of every arm the same way."""
-    from tests.memory_probe import measure
+    from nlq_scale.model.memory import measure
 
     cfg = load_run_config("cpu-xs", arm, None, ["parallel.recompute=selective", "train.distributed_optimizer=false"])
     b = cfg.train.micro_batch_size

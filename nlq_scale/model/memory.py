@@ -1,4 +1,6 @@
-"""Measured training memory of the plain-PyTorch reference model on CPU, for the planner's estimate.
+"""Measured training memory of the plain-PyTorch reference model on CPU: what the planner's
+estimate is checked against (tests/test_arms.py, tests/test_cluster_plan.py) and what
+benchmarks/memory.py reports per arm.
 
 Model state = bytes of the storages of parameters, gradients and Adam's state, all live after a
 step; activations = the peak of the CPU allocator's own accounting (torch.profiler memory events:
@@ -37,5 +39,6 @@ def measure(cfg) -> tuple[int, int]:
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
-    assert abs(live) < 1024  # everything allocated in the pass was freed again: the accounting closes
+    if abs(live) >= 1024:  # everything allocated in the pass must be freed again, or the accounting is open
+        raise RuntimeError(f"memory accounting does not close: {live} bytes still live after the pass")
     return state_bytes, peak
