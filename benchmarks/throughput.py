@@ -10,6 +10,10 @@ same count the GPU MFU uses, times tokens/s) over this machine's fp32 matmul pea
 thread count, measured in the same run (the best of a few seconds of square matmuls, before and
 after the training steps).
 
+`nonlinear_recompute_query` is the nonlinear arm with parallel.recompute_query (its query MLP run
+again in backward, for activation memory); `recompute_query_over_nonlinear` is what that costs (its
+MFU counts the model's FLOPs, not the recomputation, as MFU does).
+
 Goals: nonlinear_over_linear >= 0.97, harness_over_reference >= 1.0, mfu >= 0.75 for every arm.
 """
 
@@ -36,10 +40,20 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def model_config(arm: str, a: argparse.Namespace):
+# Variant name -> (arm, config overrides).
+VARIANTS = {
+    "linear": ("linear", ()),
+    "nonlinear": ("nonlinear", ()),
+    "identity": ("identity", ()),
+    "nonlinear_recompute_query": ("nonlinear", ("parallel.recompute_query=true",)),
+}
+
+
+def model_config(variant: str, a: argparse.Namespace):
     from nlq_scale.config import load_run_config
 
-    fp32 = ["model.bf16=false"]  # the CPU measures fp32 (the GPU rungs default to bf16)
+    arm, extra = VARIANTS[variant]
+    fp32 = ["model.bf16=false", *extra]  # the CPU measures fp32 (the GPU rungs default to bf16)
     if a.scale:
         return load_run_config(a.scale, arm, overrides=fp32)
     overrides = [*fp32,
@@ -52,12 +66,12 @@ def model_config(arm: str, a: argparse.Namespace):
     return load_run_config("124m", arm, overrides=overrides)
 
 
-def megatron_step(arm: str, a: argparse.Namespace):
+def megatron_step(variant: str, a: argparse.Namespace):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from nlq_scale.model.gpt import build_gpt
 
-    cfg = model_config(arm, a)
+    cfg = model_config(variant, a)
     model_parallel_cuda_manual_seed(0)
     model = build_gpt(cfg.model, cfg.parallel)
     positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(a.batch, -1)
@@ -101,14 +115,13 @@ def main() -> None:
     from nlq_scale.model.accounting import flops_per_token
 
     a = parse()
-    arms = ("linear", "nonlinear", "identity")
-    models = {arm: model_config(arm, a).model for arm in arms}
+    models = {variant: model_config(variant, a).model for variant in VARIANTS}
     seq = models["linear"].seq_length
     torch.manual_seed(0)
     tokens = torch.randint(0, 50257, (a.batch, seq + 1))
     peak = matmul_peak(a.matmul_size)
     with distributed(ParallelConfig()):
-        steps = {arm: megatron_step(arm, a) for arm in arms}
+        steps = {variant: megatron_step(variant, a) for variant in VARIANTS}
         steps["reference_linear"] = reference_step(a)
         for step in steps.values():
             step(tokens)  # warm-up: allocator, autograd graph caches
@@ -137,6 +150,7 @@ def main() -> None:
                 "nonlinear_over_linear": round(tps["nonlinear"] / tps["linear"], 4),
                 "identity_over_linear": round(tps["identity"] / tps["linear"], 4),
                 "harness_over_reference": round(tps["linear"] / tps["reference_linear"], 4),
+                "recompute_query_over_nonlinear": round(tps["nonlinear_recompute_query"] / tps["nonlinear"], 4),
                 "matmul_peak_gflops": round(peak / 1e9, 1),
                 **{f"model_gflops_{name}": round(flops[name] * tps[name] / 1e9, 1) for name in tps},
                 **{f"mfu_{name}": round(v, 3) for name, v in mfu.items()},

@@ -1,5 +1,5 @@
 """Fault injection for tests. Production code carries no test hooks: a fault enters by replacing
-the loss function the engines imported (`engine_common.lm_loss`) for as long as a test says."""
+the loss function the engines imported (`engine_common.lm_loss_and_sequences`) for as long as a test says."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ ENGINE_MODULES = ("nlq_scale.train.engine_megatron", "nlq_scale.train.engine_dee
 def _nan_loss(real):
     @functools.wraps(real)
     def poisoned(*args, **kwargs):
-        return real(*args, **kwargs) * float("nan")
+        loss, sequences = real(*args, **kwargs)
+        return loss * float("nan"), sequences * float("nan")
 
     return poisoned
 
@@ -27,7 +28,8 @@ def nan_loss() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for name in ENGINE_MODULES:
             module = importlib.import_module(name)
-            stack.enter_context(mock.patch.object(module, "lm_loss", _nan_loss(module.lm_loss)))
+            real = module.lm_loss_and_sequences
+            stack.enter_context(mock.patch.object(module, "lm_loss_and_sequences", _nan_loss(real)))
         yield
 
 

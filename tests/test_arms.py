@@ -185,13 +185,71 @@ def test_planner_activation_memory_within_15_percent_of_measured(arm):
     """Method: nlq_scale/model/memory.py (torch.profiler's allocator events over a forward + backward of
     the reference model, fp32, selective recompute since SDPA keeps no s^2). The shape keeps the
     layers' activations ~10x the logits', so an arm's own term (nonlinear: ~15%) is visible."""
-    from nlq_scale.cluster.plan import Layout, memory_per_device
+    from nlq_scale.cluster.plan import memory_per_device, one_device_layout
     from nlq_scale.model.memory import measure
 
     cfg = load_run_config("cpu-xs", overrides=[f"model.arm={arm}", "parallel.recompute=selective", *LAYER_BOUND])
     _, peak = measure(cfg)
-    layout = Layout(1, 1, 1, 1, 1, cfg.train.micro_batch_size, 1, "selective", False)
-    assert memory_per_device(cfg, layout).activations == pytest.approx(peak, rel=0.15)
+    assert memory_per_device(cfg, one_device_layout(cfg)).activations == pytest.approx(peak, rel=0.15)
+
+
+def _recomputes(arm: str) -> bool:
+    return arms.get(arm).recomputes_query(case_config(arm).model, True)
+
+
+def _saved_for_backward(forward) -> tuple[torch.Tensor, int]:
+    """forward()'s output and the bytes of the distinct storages autograd saved for its backward."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return out, sum(storages.values())
+
+
+@pytest.mark.parametrize("arm", arms.names())
+def test_query_recompute_keeps_loss_and_gradients_bit_for_bit(single_rank, arm):
+    """parallel.recompute_query runs the same ops again in backward: the megatron model's loss and
+    every gradient are unchanged, and the reference model's too; the megatron model saves less for
+    backward exactly for the arms with a query MLP."""
+    from nlq_scale.model.gpt import transformer_config
+    from nlq_scale.model.reference import ReferenceGPT
+
+    grads, saved = [], []
+    for recompute in (False, True):
+        cfg = case_config(arm, [f"parallel.recompute_query={recompute}"])
+        assert transformer_config(cfg.model, cfg.parallel).recompute_query == (recompute and _recomputes(arm))
+        model, tokens = build(cfg), tokens_for(cfg)
+        positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(tokens.shape[0], -1)
+        loss, nbytes = _saved_for_backward(lambda: model(tokens, positions, None, labels=tokens).mean())
+        loss.backward()
+        torch.manual_seed(0)
+        ref = ReferenceGPT(cfg.model, recompute)
+        ref(tokens, tokens).mean().backward()
+        grads.append([p.grad for p in (*model.parameters(), *ref.parameters())])
+        saved.append(nbytes)
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert (saved[1] < saved[0]) if _recomputes(arm) else (saved[1] == saved[0]), saved
+
+
+@pytest.mark.parametrize("arm", [a for a in arms.names() if _recomputes(a)])
+def test_query_recompute_frees_the_query_activations_as_the_planner_says(arm):
+    """With parallel.recompute_query the measured peak drops below the arm's own, and the planner's
+    estimate (what Arm.recomputed_activation_elements keeps + one layer's recomputation) stays within
+    15% of it."""
+    from nlq_scale.cluster.plan import memory_per_device, one_device_layout
+    from nlq_scale.model.memory import measure
+
+    peaks = {}
+    for recompute in (False, True):
+        cfg = load_run_config("cpu-xs", overrides=[f"model.arm={arm}", "parallel.recompute=selective",
+                                                   f"parallel.recompute_query={recompute}", *LAYER_BOUND])
+        _, peaks[recompute] = measure(cfg)
+    assert peaks[True] < peaks[False]
+    assert memory_per_device(cfg, one_device_layout(cfg)).activations == pytest.approx(peaks[True], rel=0.15)
 
 
 @pytest.mark.parametrize("arm", arms.names())

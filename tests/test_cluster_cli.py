@@ -34,10 +34,10 @@ def test_submit_only_that_matches_nothing_names_the_runs(tmp_path, sample_datase
 
 
 def test_submit_refuses_a_validation_set_the_layout_cannot_split(tmp_path):
-    """train's preflight refuses val_sequences that dp x micro-batch does not divide; submit says so first."""
-    r = nlq("submit", "paper-124m", "--root", str(tmp_path), "--dry-run", "data.val_sequences=64")
+    """train's preflight refuses a validation set the data-parallel ranks cannot split evenly; submit says so first."""
+    r = nlq("submit", "paper-124m", "--root", str(tmp_path), "--dry-run", "data.val_sequences=60")
     assert r.returncode == 2
-    assert "data.val_sequences (64) must be a multiple of dp*micro_batch_size (8*12 = 96" in r.stderr
+    assert "data.val_sequences (60) must be a multiple of the data-parallel size (8)" in r.stderr
     assert not (tmp_path / "paper-124m").exists()
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from nlq_scale.cluster.plan import GB, Layout, load_cluster, memory_per_device, plan_run, plan_sweep
+from nlq_scale.cluster.plan import GB, load_cluster, memory_per_device, one_device_layout, plan_run, plan_sweep
 from nlq_scale.cluster.sweep import load_sweep
 from nlq_scale.config.load import load_run_config
 from nlq_scale.errors import UsageError
@@ -129,11 +129,9 @@ def test_memory_estimate_within_15_percent_of_bytes_allocated_on_cpu(arm):
     from nlq_scale.model.memory import measure
 
     cfg = load_run_config("cpu-xs", arm, None, ["parallel.recompute=selective", "train.distributed_optimizer=false"])
-    b = cfg.train.micro_batch_size
     state_bytes, peak = measure(cfg)
 
-    layout = Layout(1, 1, 1, 1, 1, b, 1, "selective", False)
-    est = memory_per_device(cfg, layout)
+    est = memory_per_device(cfg, one_device_layout(cfg))
     estimated_state = est.params + est.grads + est.optimizer
     assert estimated_state == pytest.approx(state_bytes, rel=0.15)
     assert est.activations == pytest.approx(peak, rel=0.15)

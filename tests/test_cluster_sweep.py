@@ -132,6 +132,8 @@ def test_submit_validates_data_and_dry_run_lists_without_submitting(tmp_path):
     assert out.returncode == 2 and "prepared with --seq-len 64, but model.seq_length is 32" in out.stderr
     out = submit(f"data.path={prepared}", "data.val_sequences=4096")
     assert out.returncode == 2 and "data.val_sequences: the validation split holds" in out.stderr
+    out = submit(f"data.path={prepared}", f"data.validation=[{{name: again, path: {prepared}, sequences: 4096}}]")
+    assert out.returncode == 2 and "data.validation.0.sequences: the validation split holds" in out.stderr
     out = submit(f"data.path={prepared}")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)

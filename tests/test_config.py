@@ -93,3 +93,31 @@ def test_matched_mlp_width_is_solved_once_at_load_and_kept(tmp_path):
     saved["model"].pop("ffn_hidden_size")  # as an earlier version wrote it
     (run / "config.yaml").write_text(yaml.safe_dump(saved))
     assert claim(run, cfg) is True
+
+
+def test_validation_sizes_in_tokens_are_solved_once_into_sequences():
+    """data.val_tokens and a named set's tokens become whole 16-sequence blocks of model.seq_length
+    (64 at cpu-xs) when the config loads, over the scale's own val_sequences; names are unique."""
+    from nlq_scale.config.load import build_run_config, dump_run_config
+
+    cfg = load_run_config("cpu-xs", overrides=[
+        "data.val_tokens=1025", "data.validation=[{name: pile-arxiv, path: /d, tokens: 1024}, {name: b, path: /e, sequences: 3}]",
+    ])  # fmt: skip
+    assert cfg.data.val_sequences == 32  # 1025 tokens > 16 sequences of 64: two blocks
+    assert [v.sequences for v in cfg.data.validation] == [16, 3]
+    assert [metric for metric, _, _ in cfg.data.val_sets()] == ["val/loss", "val/pile-arxiv/loss", "val/b/loss"]
+    assert build_run_config(yaml.safe_load(dump_run_config(cfg))) == cfg
+    for bad, message in (
+        (["data.validation=[{name: a, path: /d}]"], r"data.validation\[0\] \(a\): give tokens or sequences"),
+        (["data.validation=[{name: a, path: /d, sequences: 1}, {name: a, path: /e, sequences: 1}]"], "names must differ"),
+        (["data.validation=[{name: a/b, path: /d, sequences: 1}]"], "data.validation.0.name"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            load_run_config("cpu-xs", overrides=bad)
+
+
+def test_shipped_gpu_scales_validate_on_enough_tokens_for_a_0_005_nat_standard_error():
+    """docs/training.md: at the assumed 0.45-nat spread of per-sequence losses, SE = 0.45/sqrt(n) < 0.005."""
+    for scale in ("124m", "350m", "760m", "1.3b", "2.7b", "6.7b", "13b", "175b"):
+        n = load_run_config(scale).data.val_sequences
+        assert 0.45 / n**0.5 < 0.005, (scale, n)

@@ -195,6 +195,21 @@ def test_val_set_is_fixed(dataset, other_dataset, tmp_path):
         make_val_set(DataConfig(path=str(dataset), val_sequences=100_000), seq_length=SEQ)
 
 
+def test_named_val_sets_are_fixed_and_sized_like_the_main_one(dataset, other_dataset):
+    from nlq_scale.config.schema import ValidationSetConfig
+    from nlq_scale.data.loader import make_val_sets
+
+    named = [ValidationSetConfig(name="same", path=str(dataset), sequences=20),
+             ValidationSetConfig(name="other", path=str(other_dataset), sequences=8)]
+    sets = make_val_sets(DataConfig(path=str(dataset), val_sequences=20, validation=named), seq_length=SEQ)
+    assert list(sets) == ["val/loss", "val/same/loss", "val/other/loss"]
+    assert torch.equal(sets["val/same/loss"], sets["val/loss"])
+    assert torch.equal(sets["val/other/loss"], make_val_set(DataConfig(path=str(other_dataset), val_sequences=8), seq_length=SEQ))
+    too_many = [ValidationSetConfig(name="x", path=str(other_dataset), sequences=100_000)]
+    with pytest.raises(UsageError, match=r"data.validation\[0\].sequences: .* holds \d+ sequences"):
+        make_val_sets(DataConfig(path=str(dataset), val_sequences=20, validation=too_many), seq_length=SEQ)
+
+
 def test_bad_dataset_paths_and_shapes(dataset, tmp_path):
     with pytest.raises(UsageError, match="no such dataset directory"):
         loader(DataConfig(path=str(tmp_path / "missing")), tmp_path, 16)

@@ -63,10 +63,16 @@ def parabola_vertex(log_lrs: np.ndarray, losses: np.ndarray) -> tuple[float, flo
 
 def lr_optimum(cell, resamples: int, rng: np.random.Generator, level: float) -> LrOptimum:
     """`cell`: an analysis Cell (its lr_grid holds every LR's per-seed final losses)."""
-    points = [p for p in cell.lr_grid if p.lr is not None]
+    return grid_optimum(cell.arm, cell.scale, cell.params, cell.lr_grid, resamples, rng, level)
+
+
+def grid_optimum(arm: str, scale: str, params: int | None, grid: list, resamples: int, rng: np.random.Generator,
+                 level: float) -> LrOptimum:
+    """eta* of one arm at one scale from `grid`: points with .lr, .mean, .losses, .n (analysis LrPoint)."""
+    points = [p for p in grid if p.lr is not None]
     if len(points) < 3:
-        best = min(cell.lr_grid, key=lambda p: p.mean)
-        return LrOptimum(cell.arm, cell.scale, cell.params, best.lr, None, None, False,
+        best = min(grid, key=lambda p: p.mean)
+        return LrOptimum(arm, scale, params, best.lr, None, None, False,
                          f"{len(points)} learning rate(s): no optimum fitted")  # fmt: skip
     x = np.log([p.lr for p in points])
     means = np.array([p.mean for p in points])
@@ -76,10 +82,10 @@ def lr_optimum(cell, resamples: int, rng: np.random.Generator, level: float) -> 
         best = points[int(np.argmin(means))]
         note = ("optimum on the grid's edge: extend the grid" if edge else
                 "no parabola with its vertex among the points around the minimum: the grid's minimum")  # fmt: skip
-        return LrOptimum(cell.arm, cell.scale, cell.params, best.lr, None, best.mean, edge, note)
+        return LrOptimum(arm, scale, params, best.lr, None, best.mean, edge, note)
     vertex, loss = fitted
     ci, note = _vertex_ci(points, x, resamples, rng, level)
-    return LrOptimum(cell.arm, cell.scale, cell.params, math.exp(vertex), ci, loss, False, note)
+    return LrOptimum(arm, scale, params, math.exp(vertex), ci, loss, False, note)
 
 
 def _vertex_ci(points, x: np.ndarray, resamples: int, rng, level: float):

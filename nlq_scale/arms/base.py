@@ -160,6 +160,17 @@ class Arm(ABC):
         (which already holds q, k, v and the context), for `tokens` = s x b tokens:
         (replicated on every tensor-parallel rank, split across them)."""
 
+    def recomputed_activation_elements(self, m: ModelConfig, tokens: int) -> tuple[float, float] | None:
+        """What the query path keeps for backward (as `activation_elements`) when
+        parallel.recompute_query frees its inner activations and recomputes them in backward, for
+        arms whose query path has an MLP to recompute; None: nothing to recompute (the option does
+        not change the arm)."""
+        return None
+
+    def recomputes_query(self, m: ModelConfig, requested: bool) -> bool:
+        """Whether the built modules recompute the query path (parallel.recompute_query = requested)."""
+        return requested and self.recomputed_activation_elements(m, 1) is not None
+
     # ------------------------------------------------------------------ modules
 
     @abstractmethod

@@ -84,6 +84,9 @@ class Nonlinear(MLPArm):
         # RMSNorm output and W2 output (full vectors on every rank); W1 and activation outputs (split).
         return tokens * 2 * m.hidden_size, tokens * 2 * self.width(m)
 
+    def recomputed_activation_elements(self, m, tokens):
+        return 0.0, 0.0  # only x (kept by linear_kv) and q (kept by the attention) stay
+
     def megatron_attention(self, m, stock, column_linear):
         from megatron.core.transformer.spec_utils import ModuleSpec
 

@@ -92,6 +92,9 @@ class PerHeadNonlinear(MLPArm):
         # W1 and activation outputs (split).
         return tokens * 3 * m.hidden_size, tokens * 2 * self.width(m)
 
+    def recomputed_activation_elements(self, m, tokens):
+        return 0.0, 0.0  # only x (kept by linear_kv) and q (kept by the attention) stay
+
     def megatron_attention(self, m, stock, column_linear):
         from megatron.core.transformer.spec_utils import ModuleSpec
 

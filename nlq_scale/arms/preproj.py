@@ -36,7 +36,7 @@ def _modules():
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.utils import init_method_normal
 
-    from nlq_scale.model.query import ParallelMLP
+    from nlq_scale.model.query import ParallelMLP, recomputed
     from nlq_scale.model.reference import MLP
 
     @dataclass
@@ -57,8 +57,11 @@ def _modules():
                 tp_group=tp_group,
             )
 
+        def pre_mlp(self, x):
+            return self.pre(self.pre_norm(x))
+
         def forward(self, hidden_states, *args, **kwargs):
-            content = hidden_states + self.pre(self.pre_norm(hidden_states))
+            content = hidden_states + recomputed(self.pre_mlp, hidden_states, self.config.recompute_query)
             output, bias = super().forward(content, *args, **kwargs)
             skip, _ = self.w_skip(content)
             return output + skip, bias
@@ -109,6 +112,10 @@ class Preproj(MLPArm):
     def activation_elements(self, m, tokens):
         # RMSNorm output and the pre-projected x' (full vectors); W_up and activation outputs (split).
         return tokens * 2 * m.hidden_size, tokens * 2 * self.width(m)
+
+    def recomputed_activation_elements(self, m, tokens):
+        # x' stays (the input of Q/K/V and W_skip) beside x; the MLP's norm, W_up and activation outputs go.
+        return tokens * m.hidden_size, 0.0
 
     def megatron_attention(self, m, stock, column_linear):
         attention, submodules, _ = _modules()

@@ -151,16 +151,57 @@ def _columns(head: tuple, rows: list[tuple]) -> list[str]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    """Submit what is due. With `lr_search: proxy`, phase 1's proxies come first: locally a second
+    pass submits the targets once they ended; on SLURM a follow-up job after them does (lr_search)."""
     from nlq_scale.cli import emit_json
-    from nlq_scale.cluster.executors import decide_and_submit
-    from nlq_scale.cluster.plan import check_launchable, plan_sweep
-    from nlq_scale.cluster.sweep import check_prepared_data
+    from nlq_scale.cluster import lr_search
 
     sweep, cluster = _load(args)
-    runs = _only(plan_sweep(sweep, cluster, args.overrides), args.only, sweep.name)
+    root = Path(args.root or sweep.root or "runs").resolve()
+    rows: list[dict] = []
+    while True:
+        waiting, records, done = _submit_due(args, sweep, cluster, root)
+        rows += done
+        finished = not waiting or args.dry_run or not records
+        if finished or args.executor == "slurm":
+            lr_search.report_waiting(waiting)
+        if args.json and (finished or args.executor == "slurm" or _incomplete(records, root / sweep.name, args.executor)):
+            emit_json({"sweep": sweep.name, "root": str(root), "dry_run": args.dry_run, "executor": args.executor,
+                       "runs": rows, "lr_search_waiting": waiting})
+        _fail_unless_completed(records, root / sweep.name, args.executor)
+        if finished:
+            return 0
+        if args.executor == "slurm":
+            _follow_up(args, sweep, cluster, root, [r["job_id"] for r in records])
+            return 0
+
+
+def _follow_up(args, sweep, cluster, root: Path, after: list[str]) -> None:
+    from nlq_scale.cluster.executors import submit_follow_up
+    from nlq_scale.cluster.lr_search import FollowUp
+    from nlq_scale.cluster.sweep import sweep_path
+
+    argv = ["submit", str(sweep_path(args.sweep).resolve()), *args.overrides, "--root", str(root),
+            "--executor", "slurm", "--cluster", args.cluster or sweep.cluster]  # fmt: skip
+    argv += [a for pattern in args.only or [] for a in ("--only", pattern)]
+    job = submit_follow_up(cluster, root, sweep.name, after, FollowUp(argv))
+    print(f"lr search: job {job} submits the targets once the proxy jobs have ended", file=sys.stderr)
+
+
+def _submit_due(args, sweep, cluster, root: Path) -> tuple[list[str], list[dict], list[dict]]:
+    """One pass of `submit`: plan, check and submit the runs due now (a table on stdout unless
+    --json). Returns the lr-search lines, the job records and one row per run."""
+    from nlq_scale.cluster import lr_search
+    from nlq_scale.cluster.executors import decide_and_submit
+    from nlq_scale.cluster.plan import check_launchable, plan_specs
+    from nlq_scale.cluster.sweep import check_prepared_data, expand
+
+    specs, waiting = expand(sweep, args.overrides), []
+    if sweep.lr_search.strategy == "proxy":
+        specs, waiting = lr_search.due_runs(sweep, specs, root)
+    runs = _only(plan_specs(sweep, specs, cluster), args.only, sweep.name)
     check_launchable(runs)
     check_prepared_data(r.spec for r in runs)
-    root = Path(args.root or sweep.root or "runs").resolve()
     decisions, records = decide_and_submit(runs, root, sweep.name, cluster, args.executor, dry_run=args.dry_run,
                                            retry_failed=args.retry_failed, retry_stale=args.retry_stale,
                                            stale_s=args.stale_after)
@@ -171,21 +212,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
          "job_id": jobs.get(d.run.spec.run_id)}
         for d in decisions
     ]
-    n_todo = sum(d.action != "skip" for d in decisions)
-    if args.json:
-        emit_json({"sweep": sweep.name, "root": str(root), "dry_run": args.dry_run, "executor": args.executor,
-                   "runs": rows})
-        _fail_unless_completed(records, root / sweep.name, args.executor)
-        return 0
-    verb = "would submit" if args.dry_run else "submitted"
-    head = ("run", "action", "job", "nodes x tasks", "reason")
-    body = [(r["run_id"], r["action"], r["job_id"] or "-", f"{r['nodes']}x{r['tasks_per_node']}", r["reason"])
-            for r in rows]
-    print("\n".join(_columns(head, body)))
-    print(f"{verb} {n_todo} of {len(rows)} runs of sweep {sweep.name} ({args.executor}) under {root}",
-          file=sys.stderr)
-    _fail_unless_completed(records, root / sweep.name, args.executor)
-    return 0
+    if not args.json:
+        verb = "would submit" if args.dry_run else "submitted"
+        head = ("run", "action", "job", "nodes x tasks", "reason")
+        body = [(r["run_id"], r["action"], r["job_id"] or "-", f"{r['nodes']}x{r['tasks_per_node']}", r["reason"])
+                for r in rows]
+        print("\n".join(_columns(head, body)))
+        print(f"{verb} {sum(d.action != 'skip' for d in decisions)} of {len(rows)} runs of sweep {sweep.name} "
+              f"({args.executor}) under {root}", file=sys.stderr)
+    return waiting, records, rows
 
 
 def _only(runs: list, patterns: list[str] | None, sweep: str) -> list:
@@ -203,16 +238,21 @@ def _only(runs: list, patterns: list[str] | None, sweep: str) -> list:
     return kept
 
 
+def _incomplete(records: list[dict], sweep_dir: Path, executor: str) -> list[str]:
+    """The local runs of these records that ended without completing, as 'run (state)'."""
+    from nlq_scale.train.rundir import read_status
+
+    if executor != "local":
+        return []
+    states = [(r["run_id"], read_status(sweep_dir / r["run_id"]).get("state") or "no status") for r in records]
+    return [f"{run} ({state})" for run, state in states if state != "completed"]
+
+
 def _fail_unless_completed(records: list[dict], sweep_dir: Path, executor: str) -> None:
     """Local runs ended here: one that did not complete makes the command fail (exit 1)."""
-    from nlq_scale.train.rundir import read_status
     from nlq_scale.errors import RunFailure
 
-    if executor != "local" or not records:
-        return
-    bad = [(r["run_id"], read_status(sweep_dir / r["run_id"]).get("state") or "no status")
-           for r in records]
-    bad = [f"{run} ({state})" for run, state in bad if state != "completed"]
+    bad = _incomplete(records, sweep_dir, executor)
     if bad:
         raise RunFailure(f"{len(bad)} of {len(records)} local runs did not complete: {', '.join(bad)} "
                          f"(nlq-scale status {sweep_dir})")

@@ -206,6 +206,21 @@ def make_executor(kind: ExecutorKind, folder: Path, cluster: ClusterConfig, layo
     return executor
 
 
+def submit_follow_up(cluster: ClusterConfig, root: Path, sweep: str, after: Iterable[str], fn) -> str:
+    """Queue `fn` as a one-task SLURM job that starts once the jobs `after` ended (whatever their
+    end): the learning-rate search's second submit. Returns its job id."""
+    import submitit
+
+    arrays = sorted({str(job_id).split("_")[0] for job_id in after})  # an array's id waits for all its tasks
+    executor = submitit.AutoExecutor(folder=submitit_folder(root, sweep), cluster="slurm")
+    params = {"name": f"{sweep}-lr-search", "timeout_min": 30, "nodes": 1, "tasks_per_node": 1,
+              "slurm_partition": cluster.partition, "slurm_account": cluster.account, "slurm_qos": cluster.qos,
+              "slurm_setup": cluster.setup or None,
+              "slurm_additional_parameters": {"dependency": "afterany:" + ":".join(arrays)}}  # fmt: skip
+    executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
+    return str(launch(lambda: executor.submit(fn)).job_id)
+
+
 def _record_job(run_dir: Path, kind: ExecutorKind, job) -> dict:
     record = {
         "executor": kind,

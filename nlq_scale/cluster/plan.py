@@ -8,7 +8,8 @@ Memory per GPU (the stage that holds the most):
   Recomputation in Large Transformer Models", Table 2) without dropout (our models have none):
   per layer 4sbh replicated (two norm inputs and the two linear-layer inputs; split by t only with
   sequence parallelism) + sb(q + k + v + context + 2 ffn)/t inside the tensor-parallel regions +
-  what the arm's query path adds (Arm.activation_elements) +
+  what the arm's query path adds (Arm.activation_elements; with parallel.recompute_query only what
+  Arm.recomputed_activation_elements keeps, plus one layer's recomputation in flight) +
   a s^2 b / t attention probabilities unless recompute is selective or full; full recompute keeps only
   each layer's input plus one layer's working set. The first pipeline stage holds min(pp, micro-batches)
   micro-batches in flight (1F1B). The last stage also holds the fp32 logits' softmax and its gradient
@@ -110,6 +111,7 @@ class Layout:
     grad_accum: int
     recompute: str
     sequence_parallel: bool
+    recompute_query: bool = False
 
     @property
     def world_size(self) -> int:
@@ -161,11 +163,21 @@ def _state_bytes_per_param(cfg: RunConfig, dp: int) -> tuple[float, float, float
     return weights, grads, optimizer
 
 
-def layer_activation_elements(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str) -> float:
+def _arm_elements(m: ModelConfig, tokens: int, recompute_query: bool) -> tuple[float, float]:
+    """What the arm's query path keeps per layer (replicated, split), with or without its recompute."""
+    arm = arms.get(m.arm)
+    if arm.recomputes_query(m, recompute_query):
+        return arm.recomputed_activation_elements(m, tokens)
+    return arm.activation_elements(m, tokens)
+
+
+def layer_activation_elements(
+    m: ModelConfig, b: int, tp: int, sp: bool, recompute: str, recompute_query: bool = False
+) -> float:
     """Elements one transformer layer keeps for backward, per micro-batch of b sequences, per device."""
     s, h, dk = m.seq_length, m.hidden_size, m.head_dim
     a, g = m.num_attention_heads, m.query_groups
-    arm_replicated, arm_split = arms.get(m.arm).activation_elements(m, s * b)  # the arm's query path
+    arm_replicated, arm_split = _arm_elements(m, s * b, recompute_query)
     replicated = 4 * s * b * h + arm_replicated
     split = s * b * (a * dk + 2 * g * dk + a * dk + 2 * ffn_hidden_size(m)) + arm_split
     full = replicated / (tp if sp else 1) + split / tp
@@ -180,18 +192,28 @@ def activation_bytes(cfg: RunConfig, layout: Layout, first: bool, last: bool) ->
     m = cfg.model
     b, tp, pp = layout.micro_batch_size, layout.tp, layout.pp
     width = 2 if m.bf16 else 4
-    per_layer = layer_activation_elements(m, b, tp, layout.sequence_parallel, layout.recompute)
+    sp = layout.sequence_parallel
+    per_layer = layer_activation_elements(m, b, tp, sp, layout.recompute, layout.recompute_query)
     layers = m.num_layers / pp
     in_flight = min(pp, layout.grad_accum) if first else 1
     elements = per_layer * layers * in_flight
     if layout.recompute == "full":  # one layer recomputed at a time keeps its whole working set
-        elements += layer_activation_elements(m, b, tp, layout.sequence_parallel, "none")
+        elements += layer_activation_elements(m, b, tp, sp, "none")
+    elif layout.recompute_query:  # so does one layer's recomputed query path
+        elements += layer_activation_elements(m, b, tp, sp, layout.recompute) - per_layer
     total = elements * width
     if last:
         s, h = m.seq_length, m.hidden_size
         total += 2 * s * b * h * width  # final norm input and output
         total += 2 * s * b * m.padded_vocab_size / tp * 4  # fp32 softmax of the logits + its gradient
     return total
+
+
+def one_device_layout(cfg: RunConfig) -> Layout:
+    """The run on one device at its own micro-batch and recompute settings (the layout memory is
+    measured at on CPU)."""
+    p = cfg.parallel
+    return Layout(1, 1, 1, 1, 1, cfg.train.micro_batch_size, 1, p.recompute, False, p.recompute_query)
 
 
 def memory_per_device(cfg: RunConfig, layout: Layout) -> Memory:
@@ -320,7 +342,7 @@ def plan_run(
             if cfg.train.global_batch_size % (mbs * dp) == 0:
                 layout = Layout(
                     n, cluster.gpus_per_node, tp, pp, dp, mbs, cfg.train.global_batch_size // (mbs * dp),
-                    cfg.parallel.recompute, sp,
+                    cfg.parallel.recompute, sp, cfg.parallel.recompute_query,
                 )
                 mem = memory_per_device(cfg, layout)
                 if mem.total <= cluster.usable_bytes:
@@ -355,7 +377,7 @@ def _plan(cfg, cluster, run_id, scale, arm, layout, mem, fits, reason=None) -> R
 
 def _unfit(cfg, cluster, run_id, scale, arm, reason) -> RunPlan:
     layout = Layout(0, cluster.gpus_per_node, cfg.parallel.tp, cfg.parallel.pp, 0, cfg.train.micro_batch_size, 0,
-                    cfg.parallel.recompute, cfg.parallel.sequence_parallel)
+                    cfg.parallel.recompute, cfg.parallel.sequence_parallel, cfg.parallel.recompute_query)
     return _plan(cfg, cluster, run_id, scale, arm, layout, Memory(0, 0, 0, 0), False, reason)
 
 
@@ -383,9 +405,14 @@ class PlannedRun:
 
 def plan_sweep(sweep: SweepConfig, cluster: ClusterConfig, cli_overrides: Iterable[str] = ()) -> list[PlannedRun]:
     """Expand and plan every run. A run that cannot fit the cluster is a UsageError naming it."""
+    return plan_specs(sweep, expand(sweep, cli_overrides), cluster)
+
+
+def plan_specs(sweep: SweepConfig, specs: Iterable[RunSpec], cluster: ClusterConfig) -> list[PlannedRun]:
+    """Plan these runs of the sweep (its parallel preferences); one that cannot fit is a UsageError."""
     prefs = sweep.parallel
     out = []
-    for spec in expand(sweep, cli_overrides):
+    for spec in specs:
         plan = plan_run(
             spec.cfg, cluster, run_id=spec.run_id, scale=spec.scale, arm=spec.arm,
             nodes=prefs.nodes_for(spec.scale), fixed_tp=prefs.tp, fixed_pp=prefs.pp,
@@ -443,6 +470,7 @@ def proxy_config(cfg: RunConfig, width: int) -> RunConfig:
         parametrization="mup", mup_base_hidden_size=width,
     )  # fmt: skip
     raw["name"] = f"{cfg.name}-proxy{width}"
+    raw["variant"] = f"{cfg.arm_label}-proxy{width}"  # its own cell in the analysis, not the target's
     return build_run_config(raw, f"the {width}-wide proxy of {cfg.name}")
 
 

@@ -112,6 +112,7 @@ class ParallelPrefs(Strict):
         None, description="nodes per run, or per scale {scale: nodes}; None = fewest whole nodes for tp x pp"
     )
     recompute: Literal["none", "selective", "full"] | None = Field(None, description="activation recompute")
+    recompute_query: bool | None = Field(None, description="recompute the query MLP in backward (parallel.recompute_query)")
     sequence_parallel: bool = Field(False, description="use it in layouts with tp > 1 where the config allows it")
     distributed_optimizer: bool | None = Field(None, description="megatron engine: shard optimizer state over DP")
     zero_stage: int | None = Field(None, ge=0, le=3, description="deepspeed engine: ZeRO stage")
@@ -123,12 +124,29 @@ class ParallelPrefs(Strict):
         return self.nodes
 
 
+class LrSearch(Strict):
+    """How each arm's learning rate is found (docs/mup.md)."""
+
+    strategy: Literal["grid", "proxy"] = Field(
+        "grid", description="grid: every LR of the grid at every scale; proxy: the grid on a narrow muP proxy, "
+        "then each scale at the fitted optimum"
+    )
+    width: PositiveInt | None = Field(None, description="proxy: the proxy's width (a multiple of the head dim)")
+
+    @model_validator(mode="after")
+    def _width(self) -> LrSearch:
+        if self.strategy == "proxy" and self.width is None:
+            raise ValueError("strategy proxy needs a width")
+        return self
+
+
 class SweepConfig(Strict):
     name: str = Field(description="sweep name: the directory under the root and the W&B group")
     arms: list[ArmSpec] = Field(min_length=1)
     scales: list[str] = Field(min_length=1)
     seeds: list[int] = Field([1234], min_length=1)
     lrs: list[PositiveFloat] | None = Field(None, description="learning-rate grid; None = each scale's train.lr")
+    lr_search: LrSearch = LrSearch()
     data: DataSpec
     horizon: Horizon | None = Field(None, description="None = each scale's train.steps")
     engine: Literal["megatron", "deepspeed"] | None = None
@@ -206,7 +224,7 @@ def shared_settings(sweep: SweepConfig) -> dict[str, Any]:
     """The sweep-level keys that every run's config gets."""
     p = sweep.parallel
     out: dict[str, Any] = {"data": sweep.data.model_dump(exclude_none=True, mode="json"), "parallel": {}, "train": {}}
-    for key in ("tp", "pp", "recompute"):  # sequence parallelism: the planner decides per layout
+    for key in ("tp", "pp", "recompute", "recompute_query"):  # sequence parallelism: the planner decides per layout
         if getattr(p, key) is not None:
             out["parallel"][key] = getattr(p, key)
     for key in ("distributed_optimizer", "zero_stage", "micro_batch_size"):
@@ -292,27 +310,32 @@ def check_prepared_data(specs: Iterable[RunSpec]) -> None:
     from nlq_scale.data.prepared import open_prepared
 
     opened: dict[str, Any] = {}
+
+    def checked(path: str, field: str, seq_length: int):
+        if path not in opened:
+            opened[path] = open_prepared(path, field=field)
+        if opened[path].seq_len != seq_length:
+            raise UsageError(f"{field} {path}: prepared with --seq-len {opened[path].seq_len}, but model.seq_length is {seq_length}")
+        return opened[path]
+
+    def check_val(field: str, held: int, wanted: int) -> None:
+        if held < wanted:
+            raise UsageError(f"{field}: the validation split holds {held} sequences, fewer than {wanted}")
+
     for spec in specs:
-        paths = data_paths(spec.cfg)
+        cfg, where = spec.cfg, f"run {spec.run_id}: "
+        paths = data_paths(cfg)
         if not paths:
-            raise UsageError(f"run {spec.run_id}: data.path: no dataset given")
+            raise UsageError(f"{where}data.path: no dataset given")
         if any("://" in p for p in paths):
             continue
-        for i, path in enumerate(paths):
-            field = f"run {spec.run_id}: " + (f"data.streams.{i}.path" if spec.cfg.data.streams else "data.path")
-            if path not in opened:
-                opened[path] = open_prepared(path, field=field)
-            if opened[path].seq_len != spec.cfg.model.seq_length:
-                raise UsageError(
-                    f"{field} {path}: prepared with --seq-len {opened[path].seq_len}, but model.seq_length is "
-                    f"{spec.cfg.model.seq_length}"
-                )
-        held = sum(opened[p].sequences("val") for p in paths)
-        if held < spec.cfg.data.val_sequences:
-            raise UsageError(
-                f"run {spec.run_id}: data.val_sequences: the validation split holds {held} sequences, fewer than "
-                f"{spec.cfg.data.val_sequences}"
-            )
+        fields = [f"data.streams.{i}.path" for i in range(len(paths))] if cfg.data.streams else ["data.path"]
+        held = sum(checked(p, where + f, cfg.model.seq_length).sequences("val") for p, f in zip(paths, fields))
+        check_val(f"{where}data.val_sequences", held, cfg.data.val_sequences)
+        for i, v in enumerate(cfg.data.validation):
+            if "://" not in v.path:
+                ds = checked(v.path, f"{where}data.validation.{i}.path", cfg.model.seq_length)
+                check_val(f"{where}data.validation.{i}.sequences", ds.sequences("val"), v.sequences)
 
 
 def sweep_path(name_or_path: str) -> Path:

@@ -6,6 +6,7 @@ Unknown keys are errors (``extra="forbid"``) so a typo never silently falls back
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, create_model, field_validator, model_validator
@@ -155,11 +156,35 @@ class ParallelConfig(Strict):
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="activation recomputation (megatron recompute_granularity); the planner assumes it"
     )
+    recompute_query: bool = Field(
+        False,
+        description="keep only the input and output of the arm's query MLP and recompute the rest in backward "
+        "(arms with one: nonlinear, nonlinear-ph, preproj; no effect on the others)",
+    )
 
 
 class StreamConfig(Strict):
     path: str = Field(description="prepared dataset dir")
     proportion: PositiveFloat = Field(description="share of samples from this dataset")
+
+
+# A validation size given in tokens becomes whole blocks of this many sequences, so that the usual
+# power-of-two data-parallel x micro-batch layouts divide it.
+VAL_BLOCK_SEQUENCES = 16
+
+
+def val_sequences_for(tokens: int, seq_length: int) -> int:
+    """Sequences of seq_length holding at least `tokens`, rounded up to whole VAL_BLOCK_SEQUENCES blocks."""
+    return math.ceil(tokens / (seq_length * VAL_BLOCK_SEQUENCES)) * VAL_BLOCK_SEQUENCES
+
+
+class ValidationSetConfig(Strict):
+    """A further validation set, logged as val/<name>/loss: the val split of a prepared dataset."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="its metric is val/<name>/loss")
+    path: str = Field(description="prepared dataset dir (its val split is used)")
+    tokens: PositiveInt | None = Field(None, description="size in tokens (sets sequences, as data.val_tokens)")
+    sequences: PositiveInt | None = Field(None, description="size in sequences (set by tokens when given)")
 
 
 class DataConfig(Strict):
@@ -173,13 +198,29 @@ class DataConfig(Strict):
         1, description="fixed so the global batch at step k is the same for any world size"
     )
     num_workers: int = Field(0, ge=0, description="DataLoader workers per data-parallel rank")
-    val_sequences: PositiveInt = Field(64, description="fixed validation set size (sequences)")
+    val_sequences: PositiveInt = Field(64, description="fixed validation set size (sequences); set by val_tokens when given")
+    val_tokens: PositiveInt | None = Field(
+        None, description="fixed validation set size in tokens: val_sequences = whole 16-sequence blocks holding it"
+    )
+    validation: list[ValidationSetConfig] = Field(
+        [], description="further named validation sets (e.g. each Pile subset), each logged as val/<name>/loss"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
         if self.path is not None and self.streams is not None:
             raise ValueError("give data.path or data.streams, not both")
+        names = [v.name for v in self.validation]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.validation: names must differ, got {names}")
         return self
+
+    def val_sets(self) -> list[tuple[str, str, int]]:
+        """(metric, config field, sequences) per validation set: val/loss for the data's own val
+        split, then the named sets."""
+        named = [(f"val/{v.name}/loss", f"data.validation[{i}].sequences", v.sequences)
+                 for i, v in enumerate(self.validation)]  # fmt: skip
+        return [("val/loss", "data.val_sequences", self.val_sequences), *named]
 
 
 class DivergenceConfig(Strict):
@@ -244,6 +285,15 @@ class RuntimeConfig(Strict):
     )
 
 
+def _sequences_from_tokens(section: Strict, key: str, tokens: int | None, seq_length: int) -> None:
+    """section.<key> (sequences) from a size in tokens, when one is given: the tokens decide, so a
+    scale's sequence count gives way to a size in tokens set over it."""
+    if tokens is None:
+        return
+    section.__dict__[key] = val_sequences_for(tokens, seq_length)
+    section.__pydantic_fields_set__.add(key)
+
+
 class RunConfig(Strict):
     name: str | None = Field(None, description="run id (stable per sweep point)")
     sweep: str | None = Field(None, description="sweep name; the W&B group")
@@ -285,7 +335,18 @@ class RunConfig(Strict):
                 f"train.global_batch_size ({self.train.global_batch_size}) not divisible by "
                 f"train.micro_batch_size ({self.train.micro_batch_size})"
             )
+        self._solve_validation_sizes()
         return self
+
+    def _solve_validation_sizes(self) -> None:
+        """Sizes given in tokens become sequences once, here (written past validate_assignment, as
+        ModelConfig's matched width)."""
+        d, seq = self.data, self.model.seq_length
+        _sequences_from_tokens(d, "val_sequences", d.val_tokens, seq)
+        for i, v in enumerate(d.validation):
+            if v.tokens is None and v.sequences is None:
+                raise ValueError(f"data.validation[{i}] ({v.name}): give tokens or sequences")
+            _sequences_from_tokens(v, "sequences", v.tokens, seq)
 
     @property
     def arm_label(self) -> str:
@@ -309,12 +370,10 @@ class RunConfig(Strict):
 
     def check_world(self, world_size: int) -> None:
         """What a launch at `world_size` ranks needs (ValueError otherwise): tp x pp x dp ranks, the
-        global batch in micro-batches of every DP rank, the fixed val set in DP ranks' micro-batches."""
+        global batch in micro-batches of every DP rank, every validation set in equal DP shares (each
+        evaluated in micro-batches that divide its share: engine_common.eval_micro_batch)."""
         dp = self.data_parallel_size(world_size)
         self.grad_accum_steps(world_size)
-        per_step = dp * self.train.micro_batch_size
-        if self.data.val_sequences % per_step:
-            raise ValueError(
-                f"data.val_sequences ({self.data.val_sequences}) must be a multiple of "
-                f"dp*micro_batch_size ({dp}*{self.train.micro_batch_size} = {per_step})"
-            )
+        for _, field, sequences in self.data.val_sets():
+            if sequences % dp:
+                raise ValueError(f"{field} ({sequences}) must be a multiple of the data-parallel size ({dp})")

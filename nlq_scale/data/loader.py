@@ -43,14 +43,18 @@ def _datasets(data: DataConfig) -> list[tuple[PreparedDataset, float | None]]:
     raise UsageError("data.path: no dataset configured (set data.path or data.streams)")
 
 
+def _check_seq_len(ds: PreparedDataset, seq_length: int) -> None:
+    if ds.seq_len != seq_length:
+        raise UsageError(
+            f"data: {ds.path} was prepared with --seq-len {ds.seq_len}, but model.seq_length is {seq_length}; "
+            f"re-run nlq-scale prepare-data --seq-len {seq_length}"
+        )
+
+
 def _checked_datasets(data: DataConfig, seq_length: int) -> list[tuple[PreparedDataset, float | None]]:
     datasets = _datasets(data)
     for ds, _ in datasets:
-        if ds.seq_len != seq_length:
-            raise UsageError(
-                f"data: {ds.path} was prepared with --seq-len {ds.seq_len}, but model.seq_length is {seq_length}; "
-                f"re-run nlq-scale prepare-data --seq-len {seq_length}"
-            )
+        _check_seq_len(ds, seq_length)
     first = datasets[0][0]
     for ds, _ in datasets[1:]:
         if ds.tokenizer != first.tokenizer:
@@ -231,13 +235,13 @@ def _apportion(total: int, weights: list[float]) -> list[int]:
     return shares
 
 
-def _val_rows(ds: PreparedDataset, count: int) -> list[np.ndarray]:
+def _val_rows(ds: PreparedDataset, count: int, field: str = "data.val_sequences") -> list[np.ndarray]:
     """`count` sequences spread evenly over the dataset's val split (its first, then every M/count-th)."""
     available = ds.sequences("val")
     if available < count:
         raise UsageError(
-            f"data.val_sequences: {ds.path}/val holds {available} sequences, fewer than the {count} asked for; "
-            "lower data.val_sequences or re-run prepare-data with a larger --val-fraction/--val-docs"
+            f"{field}: {ds.path}/val holds {available} sequences, fewer than the {count} asked for; "
+            f"lower {field} or re-run prepare-data with a larger --val-fraction/--val-docs"
         )
     if count == 0:
         return []
@@ -266,6 +270,22 @@ def make_val_set(data: DataConfig, *, seq_length: int) -> torch.Tensor:
     for (ds, _), count in zip(datasets, _apportion(data.val_sequences, weights)):
         rows.extend(_val_rows(ds, count))
     return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def make_val_sets(data: DataConfig, *, seq_length: int) -> dict[str, torch.Tensor]:
+    """Every validation set by its metric (DataConfig.val_sets): the fixed set above as val/loss, and
+    each named set's sequences, spread over its dataset's val split the same way, as val/<name>/loss.
+    Independent of world size and arm, like the fixed set."""
+    sets = {"val/loss": make_val_set(data, seq_length=seq_length)}
+    first = _checked_datasets(data, seq_length)[0][0]
+    for i, v in enumerate(data.validation):
+        ds = open_prepared(v.path, field=f"data.validation[{i}].path")
+        _check_seq_len(ds, seq_length)
+        if ds.tokenizer != first.tokenizer:
+            raise UsageError(f"data.validation[{i}].path: {ds.path} was tokenized differently from {first.path}")
+        rows = _val_rows(ds, v.sequences, f"data.validation[{i}].sequences")
+        sets[f"val/{v.name}/loss"] = torch.from_numpy(np.stack(rows).astype(np.int64))
+    return sets
 
 
 # ---- digest -----------------------------------------------------------------------------------

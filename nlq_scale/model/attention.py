@@ -17,6 +17,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from nlq_scale.model.query import recomputed
+
 
 @dataclass
 class QueryVariantSubmodules:
@@ -83,7 +85,7 @@ class QueryVariantAttention(Attention):
         kv, _ = self.linear_kv(hidden_states)
         kv = kv.view(*kv.shape[:-1], self.num_query_groups_per_partition, 2 * head_dim)
         key, value = torch.split(kv, head_dim, dim=-1)
-        query = self.query(hidden_states)
+        query = recomputed(self.query, hidden_states, self.config.recompute_query)
         query = query.view(*query.shape[:-1], self.num_attention_heads_per_partition, head_dim)
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)

@@ -7,6 +7,8 @@ local spec is the CPU path; the Transformer Engine spec is selectable for GPUs (
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
@@ -23,6 +25,13 @@ from nlq_scale.model.accounting import ffn_hidden_size
 from nlq_scale.model.norms import BlockNorm, HeadRMSNorm
 
 
+@dataclass
+class NLQTransformerConfig(TransformerConfig):
+    """megatron's TransformerConfig plus what the arms' modules read from it."""
+
+    recompute_query: bool = False  # parallel.recompute_query, where the arm has a query path to recompute
+
+
 def softmax_scale(m: ModelConfig) -> float:
     """model.softmax_scale, or the arm's default (under muP with a base head dim, moved towards 1/d_head)."""
     if m.softmax_scale is not None:
@@ -30,7 +39,7 @@ def softmax_scale(m: ModelConfig) -> float:
     return arms.get(m.arm).softmax_scale(m) * mup.attention_multiplier(m)
 
 
-def transformer_config(m: ModelConfig, p: ParallelConfig, device: torch.device | None = None) -> TransformerConfig:
+def transformer_config(m: ModelConfig, p: ParallelConfig, device: torch.device | None = None) -> NLQTransformerConfig:
     """`device`: where the model will compute (None: CUDA when available). On CUDA megatron creates
     its weights on the current device; fused kernels are asked for only where they are installed."""
     from nlq_scale.runtime.kernels import probe
@@ -38,7 +47,8 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, device: torch.device |
     on_gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
     kernels = probe()
     dtype = torch.bfloat16 if m.bf16 else torch.float32
-    return TransformerConfig(
+    return NLQTransformerConfig(
+        recompute_query=arms.get(m.arm).recomputes_query(m, p.recompute_query),
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,

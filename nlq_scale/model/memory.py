@@ -20,7 +20,7 @@ def measure(cfg) -> tuple[int, int]:
 
     b = cfg.train.micro_batch_size
     torch.manual_seed(0)
-    model = ReferenceGPT(cfg.model)
+    model = ReferenceGPT(cfg.model, cfg.parallel.recompute_query)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     tokens = torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_length))
 

@@ -8,12 +8,25 @@ the gradient so that replicated norm weights receive complete, identical gradien
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
+
+
+def recomputed(fn: Callable[[Tensor], Tensor], x: Tensor, enabled: bool) -> Tensor:
+    """fn(x); when enabled (parallel.recompute_query), keeping for backward only x and the output and
+    recomputing the rest. Non-reentrant checkpointing: it runs on any device and nests inside
+    megatron's full-layer recompute; the query paths draw no random numbers, so no RNG state is
+    stashed. Under tensor parallelism the recomputation repeats W2's all-reduce on every rank alike."""
+    if not enabled:
+        return fn(x)
+    return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False)
 
 
 def relu2(x: Tensor) -> Tensor:

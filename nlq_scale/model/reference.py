@@ -20,7 +20,7 @@ from nlq_scale.model import mup
 from nlq_scale.model.accounting import ffn_hidden_size
 from nlq_scale.model.gpt import softmax_scale
 from nlq_scale.model.norms import HeadRMSNorm
-from nlq_scale.model.query import ACTIVATIONS
+from nlq_scale.model.query import ACTIVATIONS, recomputed
 
 EPS = 1e-5
 
@@ -62,8 +62,9 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, m: ModelConfig) -> None:
+    def __init__(self, m: ModelConfig, recompute_query: bool) -> None:
         super().__init__()
+        self.recompute_query = arms.get(m.arm).recomputes_query(m, recompute_query)
         d, dk, bias = m.hidden_size, m.head_dim, m.add_bias_linear
         self.heads, self.groups, self.head_dim = m.num_attention_heads, m.query_groups, dk
         self.scale = softmax_scale(m)
@@ -80,8 +81,8 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         prepare = getattr(self.query, "prepare", None)
         if prepare is not None:
-            x = prepare(x)
-        q = self.q_norm(self._heads(self.query(x), self.heads))
+            x = recomputed(prepare, x, self.recompute_query)
+        q = self.q_norm(self._heads(recomputed(self.query, x, self.recompute_query), self.heads))
         k = self.k_norm(self._heads(self.k(x), self.groups))
         v = self._heads(self.v(x), self.groups)
         if rope is not None:
@@ -96,10 +97,10 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, m: ModelConfig) -> None:
+    def __init__(self, m: ModelConfig, recompute_query: bool) -> None:
         super().__init__()
         self.ln1 = _norm(m, m.hidden_size)
-        self.attn = Attention(m)
+        self.attn = Attention(m, recompute_query)
         self.ln2 = _norm(m, m.hidden_size)
         self.mlp = MLP(m.hidden_size, ffn_hidden_size(m), m.add_bias_linear)
 
@@ -109,14 +110,16 @@ class Block(nn.Module):
 
 
 class ReferenceGPT(nn.Module):
-    def __init__(self, m: ModelConfig) -> None:
+    """recompute_query: as parallel.recompute_query (the same function; less activation memory)."""
+
+    def __init__(self, m: ModelConfig, recompute_query: bool = False) -> None:
         super().__init__()
         if m.moe.num_experts:
             raise ValueError("the reference model has no MoE")
         self.config = m
         self.wte = nn.Embedding(m.padded_vocab_size, m.hidden_size)
         self.wpe = nn.Embedding(m.seq_length, m.hidden_size) if m.position_embedding == "learned_absolute" else None
-        self.blocks = nn.ModuleList(Block(m) for _ in range(m.num_layers))
+        self.blocks = nn.ModuleList(Block(m, recompute_query) for _ in range(m.num_layers))
         self.ln_f = _norm(m, m.hidden_size)
         self.lm_head = None if m.tie_embeddings else nn.Linear(m.hidden_size, m.padded_vocab_size, bias=False)
         self._rope = rope_tables(m) if m.position_embedding == "rope" else None

@@ -37,7 +37,14 @@ from nlq_scale.model import mup
 from nlq_scale.model.gpt import build_gpt
 from nlq_scale.runtime import cpu_shim
 from nlq_scale.runtime.device import Device
-from nlq_scale.train.engine_common import StepStats, lm_loss, reduce_last_stage_mean
+from nlq_scale.train.engine_common import (
+    EvalStats,
+    StepStats,
+    eval_micro_batch,
+    lm_loss_and_sequences,
+    reduce_eval,
+    reduce_last_stage_mean,
+)
 from nlq_scale.train.rundir import write_json
 
 TAG = "deepspeed"
@@ -211,10 +218,11 @@ class DeepSpeedEngine:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
 
-    def _loss(self, tokens: Tensor) -> Tensor:
+    def _loss(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """The micro-batch's loss and its per-sequence losses (engine_common.lm_loss_and_sequences)."""
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         logits = self.engine(inputs, self._positions.expand(inputs.shape[0], -1), None)
-        return lm_loss(logits, labels, self.cfg.train.z_loss)
+        return lm_loss_and_sequences(logits, labels, self.cfg.train.z_loss)
 
     def _micro_batches(self, tokens: Tensor) -> list[Tensor]:
         micro = list(tokens.split(self.cfg.train.micro_batch_size))
@@ -245,7 +253,7 @@ class DeepSpeedEngine:
             MoEAuxLossAutoScaler.set_loss_scale(torch.full(shape, 1.0 / len(micro), device=self.device.torch_device))
         losses, own_norm = [], None
         for i, batch in enumerate(micro):
-            loss = self._loss(batch)
+            loss, _ = self._loss(batch)
             self.engine.backward(loss)
             losses.append({"lm loss": loss.detach().clone()})
             if i == len(micro) - 1:
@@ -256,10 +264,11 @@ class DeepSpeedEngine:
         return StepStats(loss=reduce_last_stage_mean(losses, self.device), grad_norm=_finite_or_nan(grad_norm))
 
     @torch.no_grad()
-    def evaluate(self, tokens: Tensor) -> float:
+    def evaluate(self, tokens: Tensor) -> EvalStats:
         self.engine.eval()
-        losses = [{"lm loss": self._loss(batch)} for batch in tokens.split(self.cfg.train.micro_batch_size)]
-        return reduce_last_stage_mean(losses, self.device)
+        micro = tokens.split(eval_micro_batch(tokens.shape[0], self.cfg.train.micro_batch_size))
+        losses = [dict(zip(("lm loss", "sequence losses"), self._loss(batch))) for batch in micro]
+        return reduce_eval(losses, self.device)
 
     def save(self, ckpt_dir: Path) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)

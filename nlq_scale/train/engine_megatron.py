@@ -24,7 +24,14 @@ from nlq_scale.config.schema import RunConfig
 from nlq_scale.model import mup
 from nlq_scale.model.gpt import build_gpt
 from nlq_scale.runtime.device import Device
-from nlq_scale.train.engine_common import StepStats, lm_loss, reduce_last_stage_mean
+from nlq_scale.train.engine_common import (
+    EvalStats,
+    StepStats,
+    eval_micro_batch,
+    lm_loss_and_sequences,
+    reduce_eval,
+    reduce_last_stage_mean,
+)
 
 # Reshardable across TP, PP and DP, so a run saved at one layout resumes at another.
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -122,21 +129,22 @@ class MegatronEngine:
         output = model(inputs, self._positions.expand(inputs.shape[0], -1), None)
 
         def loss_func(logits: Tensor):
-            loss = lm_loss(logits, labels, self.cfg.train.z_loss)
+            loss, sequences = lm_loss_and_sequences(logits, labels, self.cfg.train.z_loss)
             # The schedule divides the returned loss in place: report a detached copy.
-            return loss, {"lm loss": loss.detach().clone()}
+            return loss, {"lm loss": loss.detach().clone(), "sequence losses": sequences}
 
         return output, loss_func
 
-    def _run(self, tokens: Tensor, forward_only: bool) -> list[dict]:
-        micro = list(tokens.split(self.cfg.train.micro_batch_size))
+    def _run(self, tokens: Tensor, forward_only: bool, micro_batch_size: int | None = None) -> list[dict]:
+        micro_batch_size = micro_batch_size or self.cfg.train.micro_batch_size
+        micro = list(tokens.split(micro_batch_size))
         return self._schedule(
             forward_step_func=self._forward_step,
             data_iterator=iter(micro),
             model=[self.model],
             num_microbatches=len(micro),
             seq_length=self.cfg.model.seq_length,
-            micro_batch_size=self.cfg.train.micro_batch_size,
+            micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
 
@@ -149,9 +157,10 @@ class MegatronEngine:
         return StepStats(loss=reduce_last_stage_mean(losses, self.device), grad_norm=grad_norm)
 
     @torch.no_grad()
-    def evaluate(self, tokens: Tensor) -> float:
+    def evaluate(self, tokens: Tensor) -> EvalStats:
         self.model.eval()
-        return reduce_last_stage_mean(self._run(tokens, forward_only=True), self.device)
+        micro_batch_size = eval_micro_batch(tokens.shape[0], self.cfg.train.micro_batch_size)
+        return reduce_eval(self._run(tokens, forward_only=True, micro_batch_size=micro_batch_size), self.device)
 
     def _sharded_state(self, is_loading: bool) -> dict:
         model_state = self.model.module.sharded_state_dict()

@@ -30,7 +30,7 @@ def job_tmp_dir(run_dir: Path) -> Path:
 
 class DataFeed:
     def __init__(self, cfg: RunConfig, world: World, run_dir: Path) -> None:
-        from nlq_scale.data.loader import make_train_loader, make_val_set
+        from nlq_scale.data.loader import make_train_loader, make_val_sets
 
         self.world = world
         self.device = world.device
@@ -49,8 +49,12 @@ class DataFeed:
                 tmp_dir=job_tmp_dir(run_dir),
             )
             self._iter = iter(self.loader)
-        val = make_val_set(cfg.data, seq_length=self.seq) if _is_loader(world) else None
-        self.val = self._share(val, (cfg.data.val_sequences, self.seq + 1)).chunk(world.dp)[world.dp_rank]
+        sets = make_val_sets(cfg.data, seq_length=self.seq) if _is_loader(world) else {}
+        # Validation metric -> this data-parallel rank's share of the set's sequences.
+        self.val = {
+            metric: self._share(sets.get(metric), (sequences, self.seq + 1)).chunk(world.dp)[world.dp_rank]
+            for metric, _, sequences in cfg.data.val_sets()
+        }
 
     def _loader_global_rank(self) -> int:
         flags = [self.device.empty((1,), torch.int64) for _ in range(dist.get_world_size(self._mp_group))]

@@ -155,6 +155,14 @@ class Trainer:
             record["memory/peak_gb"] = peak_memory / 2**30
         return record
 
+    def _validate(self) -> dict:
+        """Every validation set's loss and its standard error over sequences (<metric>_stderr)."""
+        record = {}
+        for metric, tokens in self.feed.val.items():
+            stats = self.engine.evaluate(tokens)
+            record[metric], record[f"{metric}_stderr"] = stats.loss, stats.stderr
+        return record
+
     def run(self) -> str:
         t = self.cfg.train
         if self.step >= t.steps:
@@ -175,7 +183,7 @@ class Trainer:
                 record = self._train_record(lr, stats.loss, stats.grad_norm, seconds, digest)
                 problem = self.guard.check_train(stats.loss)
                 if problem is None and (self.step % t.eval_every == 0 or self.step == t.steps):
-                    record["val/loss"] = self.engine.evaluate(self.feed.val)
+                    record |= self._validate()
                     problem = self.guard.check_val(record["val/loss"])
                 self.metrics.write(record)
                 if self.step % t.log_every == 0 or self.step == t.steps:

@@ -39,6 +39,7 @@ OPERATIONAL = (
     "train.zero_stage",
     "train.device_peak_flops",
     "data.num_workers",
+    "data.validation",  # further validation sets: val/<name>/loss; the fixed set (val/loss) is identity
 )
 # A run is stale when its heartbeat is older than STALE_STEPS of its slowest step so far (a step
 # interval includes its evals and checkpoint saves), and never sooner than STALE_FLOOR_S.

@@ -84,7 +84,7 @@ def compare(cfg: RunConfig, _dir: Path | None) -> dict:
         start = time.perf_counter()
         out[name] = train(engine, cfg, data, 0)
         out[f"{name}_step_s"] = (time.perf_counter() - start) / len(data)
-        out[f"{name}_val"] = engine.evaluate(data[0])
+        out[f"{name}_val"] = engine.evaluate(data[0]).loss
         del engine
     return out
 
@@ -107,7 +107,7 @@ def save(cfg: RunConfig, ckpt: Path) -> dict:
     engine = deepspeed_engine(cfg)
     train(engine, cfg, data[:BEFORE], 0)
     engine.save(ckpt)
-    val = engine.evaluate(batches(cfg, 1, seed=3)[0])
+    val = engine.evaluate(batches(cfg, 1, seed=3)[0]).loss
     return {"val": val, "after": train(engine, cfg, data[BEFORE:], BEFORE)}
 
 
@@ -115,7 +115,7 @@ def load(cfg: RunConfig, ckpt: Path) -> dict:
     data = batches(cfg, BEFORE + AFTER, seed=2)
     engine = deepspeed_engine(cfg)
     engine.load(ckpt)
-    val = engine.evaluate(batches(cfg, 1, seed=3)[0])
+    val = engine.evaluate(batches(cfg, 1, seed=3)[0]).loss
     return {"val": val, "after": train(engine, cfg, data[BEFORE:], BEFORE)}
 
 
