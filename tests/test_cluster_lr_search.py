@@ -21,16 +21,16 @@ SHORT = {"train.steps": 4, "train.warmup_steps": 1, "train.eval_every": 4, "chec
          "logging.wandb": False}  # fmt: skip
 
 
-def _sweep(tmp_path: Path, data: Path | str, lrs=LRS, seeds=(1234,)) -> Path:
+def lr_search_sweep(tmp_path: Path, data: Path | str, lrs=LRS, seeds=(1234,), cluster: str = "local") -> Path:
     path = tmp_path / "lrs.yaml"
     path.write_text(yaml.safe_dump({
-        "name": "lrs", "cluster": "local", "scales": ["cpu-xs"], "arms": ["nonlinear"], "seeds": list(seeds),
+        "name": "lrs", "cluster": cluster, "scales": ["cpu-xs"], "arms": ["nonlinear"], "seeds": list(seeds),
         "lrs": lrs, "lr_search": {"strategy": "proxy", "width": 32}, "data": {"path": str(data)}, "overrides": SHORT,
     }))  # fmt: skip
     return path
 
 
-def _vertex(lrs: list[float], losses: list[float]) -> float:
+def vertex(lrs: list[float], losses: list[float]) -> float:
     a, b, _ = np.polyfit(np.log(lrs), losses, 2)
     return math.exp(-b / (2 * a))
 
@@ -42,7 +42,7 @@ def _finish(run_dir: Path, state: str, loss: float | None = None) -> None:
 
 
 def test_targets_wait_for_every_proxy_and_an_interior_optimum(tmp_path):
-    sweep = load_sweep(_sweep(tmp_path, "/data", seeds=(1, 2)))
+    sweep = load_sweep(lr_search_sweep(tmp_path, "/data", seeds=(1, 2)))
     grid, root = expand(sweep), tmp_path / "runs"
     specs, waiting = due_runs(sweep, grid, root)
     assert [s.run_id for s in specs] == [f"cpu-xs-nonlinear-s1-lr{lr:g}-proxy32" for lr in LRS]
@@ -55,7 +55,7 @@ def test_targets_wait_for_every_proxy_and_an_interior_optimum(tmp_path):
     for spec, loss in zip(specs, (9.0, 7.0, 8.0)):
         _finish(spec.run_dir(root), "completed", loss)
     specs, waiting = due_runs(sweep, grid, root)
-    eta = _vertex(LRS, [9.0, 7.0, 8.0])
+    eta = vertex(LRS, [9.0, 7.0, 8.0])
     step = math.sqrt(1000)
     targets = specs[3:]
     assert waiting == [] and [t.seed for t in targets] == [1, 2, 1, 1]
@@ -74,10 +74,10 @@ def test_targets_wait_for_every_proxy_and_an_interior_optimum(tmp_path):
 
 
 def test_a_proxy_search_needs_a_grid_and_a_width(tmp_path):
-    sweep = load_sweep(_sweep(tmp_path, "/data", lrs=[0.001, 0.01]))
+    sweep = load_sweep(lr_search_sweep(tmp_path, "/data", lrs=[0.001, 0.01]))
     with pytest.raises(Exception, match="has 2 learning rate"):
         due_runs(sweep, expand(sweep), tmp_path)
-    bad = _sweep(tmp_path, "/data")
+    bad = lr_search_sweep(tmp_path, "/data")
     bad.write_text(bad.read_text().replace("width: 32", "width: null"))
     r = nlq("submit", str(bad), "--dry-run")
     assert r.returncode == 2 and "lr_search" in r.stderr and "strategy proxy needs a width" in r.stderr
@@ -86,13 +86,20 @@ def test_a_proxy_search_needs_a_grid_and_a_width(tmp_path):
 @pytest.mark.slow
 def test_local_submit_runs_the_proxies_then_the_targets_at_their_optimum(tmp_path, sample_dataset):
     root = tmp_path / "runs"
-    r = nlq("submit", str(_sweep(tmp_path, sample_dataset)), "--executor", "local", "--root", str(root))
+    r = nlq("submit", str(lr_search_sweep(tmp_path, sample_dataset)), "--executor", "local", "--root", str(root))
     assert r.returncode == 0, r.stderr[-3000:]
-    sweep_dir = root / "lrs"
+    check_targets(root / "lrs", target_dirs(root / "lrs"))
+
+
+def target_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted(p for p in sweep_dir.iterdir() if p.name.startswith("cpu-xs") and "proxy" not in p.name)
+
+
+def check_targets(sweep_dir: Path, targets: list[Path]) -> None:
+    """The targets run under muP (base 32) at eta* of the proxies' final val losses, and a grid step either side."""
     finals = [[r for r in read_metrics(sweep_dir / f"cpu-xs-nonlinear-s1234-lr{lr:g}-proxy32") if "val/loss" in r][-1]
               ["val/loss"] for lr in LRS]  # fmt: skip
-    targets = sorted(p for p in sweep_dir.iterdir() if p.name.startswith("cpu-xs") and "proxy" not in p.name)
     lrs = sorted(read_config(p).train.lr for p in targets)
-    eta = _vertex(LRS, finals)
+    eta = vertex(LRS, finals)
     assert lrs == pytest.approx([eta / math.sqrt(1000), eta, eta * math.sqrt(1000)], rel=1e-12), (finals, lrs)
     assert all(read_config(p).model.mup_base_hidden_size == 32 for p in targets)

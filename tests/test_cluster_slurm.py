@@ -279,6 +279,25 @@ def test_real_failing_run_shows_failed(slurm_cluster, prepared_data, tmp_path, o
     assert row["state"] == "failed" and row["error"], row
 
 
+def test_proxy_lr_search_submits_its_targets_from_a_follow_up_job(slurm_cluster, prepared_data, tmp_path):
+    """Phase 1's proxies are queued with a follow-up job after them (afterany) that runs the same
+    submit again: it submits the targets at the proxies' eta*."""
+    from tests.test_cluster_lr_search import LRS, check_targets, lr_search_sweep, target_dirs
+
+    root = tmp_path / "runs"
+    out = nlq("submit", str(lr_search_sweep(tmp_path, prepared_data, cluster="local-slurm")), "--root", str(root),
+              "--json")
+    assert out.returncode == 0, out.stderr
+    assert [r["action"] for r in json.loads(out.stdout)["runs"]] == ["submit"] * len(LRS)
+    assert "submits the targets once the proxy jobs have ended" in out.stderr
+    assert set(wait_done([Path(r["run_dir"]) for r in json.loads(out.stdout)["runs"]]).values()) == {"completed"}
+    deadline = time.time() + 180
+    while len([d for d in target_dirs(root / "lrs") if (d / "job.json").exists()]) < 3:
+        assert time.time() < deadline, f"no targets submitted:\n{subprocess.run(['squeue'], capture_output=True, text=True).stdout}"
+        time.sleep(1)
+    check_targets(root / "lrs", target_dirs(root / "lrs"))
+
+
 def test_sbatch_template_trains_and_requeues_itself_after_preemption(slurm_cluster, prepared_data, tmp_path):
     """slurm/train.sbatch (no submitit): srun runs `nlq-scale train` in both tasks; preempted, the job
     requeues itself (run-train.sh) and resumes to completion."""
