@@ -4,6 +4,7 @@ width as base, and one seed a grid step either side."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -103,3 +104,10 @@ def check_targets(sweep_dir: Path, targets: list[Path]) -> None:
     eta = vertex(LRS, finals)
     assert lrs == pytest.approx([eta / math.sqrt(1000), eta, eta * math.sqrt(1000)], rel=1e-12), (finals, lrs)
     assert all(read_config(p).model.mup_base_hidden_size == 32 for p in targets)
+
+
+def test_plan_prices_a_proxy_sweep_at_its_own_width(tmp_path):
+    r = nlq("plan", str(lr_search_sweep(tmp_path, "/data")), "--json")
+    assert r.returncode == 0, r.stderr
+    cost = json.loads(r.stdout)["lr_proxy"]
+    assert cost["width"] == 32 and 0 < cost["proxy_gpu_hours"] < cost["grid_gpu_hours"]

@@ -18,7 +18,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _cluster(p, clusters)
     p.add_argument("--lr-proxy", type=int, metavar="WIDTH",
                    help="also price the proxy learning-rate search: each arm's grid at this width under muP "
-                        "(docs/mup.md), then every seed at the best LR plus one seed at each neighbour")
+                        "(docs/mup.md), then every seed at the best LR plus one seed at each neighbour "
+                        "(default: the sweep's lr_search width when its strategy is proxy)")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.set_defaults(func=cmd_plan)
 
@@ -102,8 +103,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     runs = plan_sweep(sweep, cluster, args.overrides)
     plans = [r.plan for r in runs]
     doc = {"sweep": sweep.name, "cluster": cluster.name, "runs": [p.as_dict() for p in plans], "totals": totals(plans)}
-    if args.lr_proxy is not None:
-        doc["lr_proxy"] = proxy_search_cost(runs, cluster, args.lr_proxy)
+    width = args.lr_proxy or (sweep.lr_search.width if sweep.lr_search.strategy == "proxy" else None)
+    if width is not None:
+        doc["lr_proxy"] = proxy_search_cost(runs, cluster, width)
     if args.json:
         emit_json(doc)
     else:
