@@ -170,3 +170,27 @@ def test_plan_prints_the_proxy_lr_search_beside_the_grid():
     assert cost["width"] == 384 and cost["saving"] > 1
     text = nlq("plan", "ladder", "--lr-proxy", "384").stdout
     assert "per-rung grid vs proxy at width 384" in text and "x less" in text
+
+
+def test_planner_recomputes_the_query_mlp_before_halving_the_micro_batch():
+    """On a device that holds 1.3b's nonlinear arm at its micro-batch only without the query MLP's
+    activations, the planner turns parallel.recompute_query on (the run's config gets it); a sweep
+    that pins it off gets a smaller micro-batch instead."""
+    from nlq_scale.cluster.plan import Layout, apply_layout
+
+    cfg = load_run_config("1.3b", "nonlinear", None, ["parallel.recompute=selective"])
+    b = cfg.train.micro_batch_size
+    at = {rq: memory_per_device(cfg, Layout(1, 1, 1, 1, 1, b, 512 // b, "selective", False, rq)).total
+          for rq in (False, True)}  # fmt: skip
+    assert at[True] < at[False]
+    cluster = load_cluster("example-8x80gb").model_copy(
+        update={"nodes": 1, "gpus_per_node": 1, "overhead_gb": 0.0, "memory_headroom": 1.0,
+                "gpu_memory_gb": (at[True] + at[False]) / 2 / GB})  # fmt: skip
+    chosen = plan_run(cfg, cluster, run_id="x", scale="1.3b", arm="nonlinear", fixed_tp=1, fixed_pp=1)
+    assert chosen.fits and chosen.layout.recompute_query and chosen.layout.micro_batch_size == b
+    assert apply_layout(cfg, chosen.layout, "x", cluster).parallel.recompute_query
+    pinned = plan_run(cfg, cluster, run_id="x", scale="1.3b", arm="nonlinear", fixed_tp=1, fixed_pp=1,
+                      recompute_query=False)
+    assert not pinned.layout.recompute_query and pinned.layout.micro_batch_size < b
+    linear = load_run_config("1.3b", "linear", None, ["parallel.recompute=selective"])
+    assert not plan_run(linear, cluster, run_id="y", scale="1.3b", arm="linear").layout.recompute_query

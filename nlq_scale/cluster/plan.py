@@ -16,7 +16,8 @@ Memory per GPU (the stage that holds the most):
   (2 x sbV/t x 4 bytes), which dominate tiny models.
 Layout search: the smallest model-parallel size that fits, preferring tensor parallelism inside a node
 over pipeline stages (pp = 1, 2, 4, ... outer; tp = 1, 2, 4, ... up to GPUs per node inner); then the
-micro-batch is halved until activations fit. DP fills the run's nodes.
+query MLP's recompute is turned on (unless the sweep sets parallel.recompute_query) and the
+micro-batch halved until activations fit. DP fills the run's nodes.
 """
 
 from __future__ import annotations
@@ -322,9 +323,12 @@ def plan_run(
     fixed_pp: int | None = None,
     fixed_micro_batch: bool = False,
     sequence_parallel: bool = False,
+    recompute_query: bool | None = None,
 ) -> RunPlan:
     """The first layout (smallest model parallelism, then largest micro-batch) whose memory fits.
-    sequence_parallel: use it wherever tp > 1 and the config accepts it (the schema knows which arms can)."""
+    sequence_parallel: use it wherever tp > 1 and the config accepts it (the schema knows which arms can).
+    recompute_query: None lets the planner turn it on where the arm has a query MLP and a layout
+    fits only with it, before halving the micro-batch (it costs one extra forward of that MLP)."""
     if nodes is not None and nodes > cluster.nodes:
         return _unfit(cfg, cluster, run_id, scale, arm, f"asks for {nodes} nodes, cluster {cluster.name} has {cluster.nodes}")
     fallback: tuple[Layout, Memory] | None = None
@@ -339,10 +343,11 @@ def plan_run(
         sp = sequence_parallel and tp > 1 and _accepts(cfg, tp=tp, pp=pp, sequence_parallel=True)
         mbs = cfg.train.micro_batch_size
         while mbs >= 1:
-            if cfg.train.global_batch_size % (mbs * dp) == 0:
+            divides = cfg.train.global_batch_size % (mbs * dp) == 0
+            for rq in _recompute_query_choices(cfg, recompute_query) if divides else []:
                 layout = Layout(
                     n, cluster.gpus_per_node, tp, pp, dp, mbs, cfg.train.global_batch_size // (mbs * dp),
-                    cfg.parallel.recompute, sp, cfg.parallel.recompute_query,
+                    cfg.parallel.recompute, sp, rq,
                 )
                 mem = memory_per_device(cfg, layout)
                 if mem.total <= cluster.usable_bytes:
@@ -360,6 +365,15 @@ def plan_run(
         f"mbs={layout.micro_batch_size}), cluster {cluster.name} has {cluster.usable_bytes / GB:.1f} usable"
     )
     return _plan(cfg, cluster, run_id, scale, arm, layout, mem, False, reason)
+
+
+def _recompute_query_choices(cfg: RunConfig, requested: bool | None) -> list[bool]:
+    """recompute_query settings to try, in order: the requested one, else off then on where it helps."""
+    if requested is not None:
+        return [requested]
+    if cfg.parallel.recompute_query or not arms.get(cfg.model.arm).recomputes_query(cfg.model, True):
+        return [cfg.parallel.recompute_query]
+    return [False, True]
 
 
 def _plan(cfg, cluster, run_id, scale, arm, layout, mem, fits, reason=None) -> RunPlan:
@@ -386,7 +400,8 @@ def apply_layout(cfg: RunConfig, layout: Layout, run_id: str, cluster: ClusterCo
     A GPU cluster's runs ask for CUDA (a node without it fails fast instead of training on the CPU)
     and know the device peak, so they log MFU."""
     raw = cfg.model_dump(mode="json")
-    raw["parallel"].update(tp=layout.tp, pp=layout.pp, sequence_parallel=layout.sequence_parallel)
+    raw["parallel"].update(tp=layout.tp, pp=layout.pp, sequence_parallel=layout.sequence_parallel,
+                           recompute_query=layout.recompute_query)
     raw["train"]["micro_batch_size"] = layout.micro_batch_size
     on_gpu = cluster.device == "gpu"
     if raw["runtime"]["device"] == "auto":
@@ -417,6 +432,7 @@ def plan_specs(sweep: SweepConfig, specs: Iterable[RunSpec], cluster: ClusterCon
             spec.cfg, cluster, run_id=spec.run_id, scale=spec.scale, arm=spec.arm,
             nodes=prefs.nodes_for(spec.scale), fixed_tp=prefs.tp, fixed_pp=prefs.pp,
             fixed_micro_batch=prefs.micro_batch_size is not None, sequence_parallel=prefs.sequence_parallel,
+            recompute_query=prefs.recompute_query,
         )
         if not plan.fits:
             raise UsageError(f"run {spec.run_id} cannot fit cluster {cluster.name}: {plan.reason}")
