@@ -2,7 +2,8 @@
 put first on PATH by tests/test_docs_commands.py. Each runs the real program, cheaply:
 
 - nlq-scale: the command line is parsed by the real parser first (so a renamed option or command fails);
-  then `submit` runs with `--dry-run` (what it would queue, with every check it makes before queueing),
+  then `submit` runs with `--dry-run` (what it would queue, with every check it makes before queueing;
+  with a 16-sequence validation set unless the command sets one, since stand-in data cannot hold a GPU scale's),
   `train` for 2 steps, `prepare-data` of a stand-in corpus with a validation split that holds something, `status`/`compare` of a sweep that was only dry-run submitted are parsed only
   (nothing trained there), `doctor --train` is parsed only (minutes of training per arm); all else runs as written.
 - make: `make -n` (the recipe must exist and expand).
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 DRY_ROOTS = "DOC_SHIM_DRY_ROOTS"  # file: sweep dirs that a dry-run submit named, one a line
+STAND_IN_VAL_SEQUENCES = 16
 
 
 def _log(argv: list[str], mode: str, rc: int) -> int:
@@ -53,6 +55,9 @@ def nlq_scale(argv: list[str]) -> tuple[str, int]:
     args = build_parser().parse_args(argv)  # exits 2 on a documented option that no longer exists
     if args.command == "submit":
         argv = [*argv, "--json"] + ([] if args.dry_run else ["--dry-run"])
+        if not any(a.startswith("data.val_") for a in argv):
+            # A GPU scale validates on 8192 sequences; a stand-in corpus's val split holds a few hundred.
+            argv.append(f"data.val_sequences={STAND_IN_VAL_SEQUENCES}")
         out = subprocess.run([sys.executable, "-m", "nlq_scale.cli", *argv], capture_output=True, text=True)
         sys.stderr.write(out.stderr)
         if out.returncode == 0:
@@ -66,8 +71,11 @@ def nlq_scale(argv: list[str]) -> tuple[str, int]:
             return "parsed (sweep submitted with --dry-run)", 0
     if args.command == "doctor" and args.train:
         return "parsed (trains every arm)", 0
-    if args.command == "prepare-data" and not (args.sample or args.merge or args.val_docs or args.val_fraction):
-        # The stand-in corpus has ~1k documents: the real default (0.05 %, for millions) would hold none.
+    if args.command == "prepare-data" and not (args.sample or args.merge or args.val_docs):
+        # The stand-in corpus has ~1k documents: a fraction meant for millions (0.05-0.4 %) would hold none.
+        if args.val_fraction:
+            i = argv.index("--val-fraction")
+            argv = [*argv[:i], *argv[i + 2:]]
         return "real, --val-fraction 0.4", main([*argv, "--val-fraction", "0.4"])
     if args.command == "train":
         return "real, 2 steps", main([*argv, "train.steps=2", "train.warmup_steps=1", "train.eval_every=2", "checkpoint.every=2"])
