@@ -16,7 +16,7 @@ from typing import Any
 
 from nlq_scale.errors import RunFailure, UsageError
 
-PARTS = ("config", "model", "data", "train", "cluster", "analysis", "quickstart", "doctor", "export")
+PARTS = ("config", "model", "data", "train", "cluster", "analysis", "quickstart", "doctor", "export", "evaluate")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -296,7 +296,8 @@ def test_run_files_are_named_only_by_the_rundir_module():
     from nlq_scale.train import rundir
     from tests.conftest import REPO
 
-    names = {rundir.CONFIG_FILE, rundir.CHANGES_FILE, rundir.STATUS_FILE, rundir.METRICS_FILE, rundir.CHECKPOINTS_DIR}
+    names = {rundir.CONFIG_FILE, rundir.CHANGES_FILE, rundir.STATUS_FILE, rundir.METRICS_FILE, rundir.CHECKPOINTS_DIR,
+             rundir.EVAL_FILE}
     found = []
     for path in (REPO / "nlq_scale").rglob("*.py"):
         if path == REPO / "nlq_scale" / "train" / "rundir.py":

@@ -48,23 +48,16 @@ def _check_out(out: Path) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from nlq_scale.config.schema import ParallelConfig
-    from nlq_scale.export.checkpoint import find_checkpoint, load_harness_model
-    from nlq_scale.export.hf import hf_model, stock_class, write_export
-    from nlq_scale.runtime.dist import distributed
+    from nlq_scale.export.checkpoint import find_checkpoint
+    from nlq_scale.export.hf import export_checkpoint, stock_class
 
     _check_out(args.out)
     ckpt = find_checkpoint(args.run_dir, args.step)
-    with distributed(ParallelConfig(), device="cpu"):
-        state = load_harness_model(ckpt).state_dict()
-    model = hf_model(state, ckpt.cfg.model)
-    provenance = {"run_dir": str(ckpt.run_dir.resolve()), "step": ckpt.step, "arm": ckpt.cfg.model.arm,
-                  "engine": ckpt.cfg.train.engine, "class": type(model).__name__}  # fmt: skip
     # Written beside --out and renamed into place: a failed export leaves no half directory.
     args.out.parent.mkdir(parents=True, exist_ok=True)
     staging = tempfile.TemporaryDirectory(dir=args.out.parent, prefix=f".{args.out.name}.", ignore_cleanup_errors=True)
     with staging as tmp:
-        write_export(model, Path(tmp), ckpt.cfg.model, provenance)
+        model = export_checkpoint(ckpt, Path(tmp))
         if args.out.exists():
             args.out.rmdir()  # empty, checked above
         shutil.move(tmp, args.out)

@@ -234,3 +234,19 @@ def write_export(model, out: Path, m: ModelConfig, provenance: dict) -> None:
     model.save_pretrained(out, safe_serialization=True)
     write_tokenizer(out, m.seq_length)
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def export_checkpoint(ckpt, out: Path):
+    """A run's checkpoint (`export.checkpoint.find_checkpoint`) written as a transformers directory
+    into `out`; returns the transformers model."""
+    from nlq_scale.config.schema import ParallelConfig
+    from nlq_scale.export.checkpoint import load_harness_model
+    from nlq_scale.runtime.dist import distributed
+
+    with distributed(ParallelConfig(), device="cpu"):
+        state = load_harness_model(ckpt).state_dict()
+    model = hf_model(state, ckpt.cfg.model)
+    provenance = {"run_dir": str(ckpt.run_dir.resolve()), "step": ckpt.step, "arm": ckpt.cfg.model.arm,
+                  "engine": ckpt.cfg.train.engine, "class": type(model).__name__}  # fmt: skip
+    write_export(model, out, ckpt.cfg.model, provenance)
+    return model

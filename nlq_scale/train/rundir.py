@@ -1,5 +1,5 @@
 """The run directory contract: config.yaml, config-changes.jsonl, manifest.json, status.json,
-metrics.jsonl, checkpoints/. Training, cluster, analysis, export and doctor all read and write a
+metrics.jsonl, checkpoints/, eval.json (downstream results of `nlq-scale eval`). Training, cluster, analysis, export and doctor all read and write a
 run's files through this module (checkpoints/ holds what train/checkpoint.py keeps there). Files are
 replaced atomically so a killed job never leaves half a file, and a reader (`status`) never sees one."""
 
@@ -26,6 +26,7 @@ MANIFEST_FILE = "manifest.json"
 STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
+EVAL_FILE = "eval.json"
 # Keys a resumed run may change: how it is logged, checkpointed, evaluated and laid out on devices.
 # Everything else (model, arm, data, seeds, LR schedule, global batch, ...) is the run's identity.
 OPERATIONAL = (
@@ -163,6 +164,25 @@ def last_record(run_dir: Path, key: str, tail_bytes: int | None = 16384) -> dict
         if key in record:
             return record
     return {}
+
+
+def read_eval(run_dir: Path) -> dict[int, dict]:
+    """eval.json: checkpoint step -> {"step", "tokens", "lm_eval", "tasks": {task: {...}}} ({} if none)."""
+    raw = read_json(run_dir / EVAL_FILE)
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) and k.isdigit() for k, v in raw.items()):
+        raise UsageError(f"{run_dir / EVAL_FILE}: expected an object of step -> results")
+    return {int(k): v for k, v in raw.items()}
+
+
+def record_eval(run_dir: Path, step: int, entry: dict) -> dict:
+    """Merges one evaluation of checkpoint `step` into eval.json: its tasks replace those tasks at
+    that step only; other steps and other tasks stay. Returns the step's merged entry."""
+    results = read_eval(run_dir)
+    old = results.get(step, {})
+    merged = {**old, **entry, "tasks": {**old.get("tasks", {}), **entry["tasks"]}}
+    results[step] = merged
+    write_json(run_dir / EVAL_FILE, {str(k): results[k] for k in sorted(results)})
+    return merged
 
 
 def read_json(path: Path) -> dict:

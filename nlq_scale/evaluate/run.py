@@ -1,0 +1,128 @@
+"""`nlq-scale eval`: a run's checkpoint exported to a temporary transformers directory and scored by
+lm-evaluation-harness on CPU, offline; the results merged into the run's eval.json (per step).
+
+lm-eval is imported here only, inside the command: `import nlq_scale` never loads it (it pulls in
+datasets, pandas, scikit-learn, ...)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from nlq_scale.errors import UsageError
+from nlq_scale.evaluate.tasks import LOCAL_TASKS, REAL_TASKS, stage_local_tasks
+from nlq_scale.train import rundir
+
+METRICS = ("acc", "acc_norm", "perplexity")
+BOOTSTRAP_ITERS = 1000  # perplexity's stderr is bootstrapped; lm-eval's 100000 takes minutes on CPU
+
+
+def parse_tasks(text: str) -> list[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise UsageError("--tasks: name at least one task, e.g. " + ",".join(LOCAL_TASKS))
+    if len(set(tasks)) != len(tasks):
+        raise UsageError(f"--tasks {text}: a task is named twice")
+    return tasks
+
+
+def _offline() -> None:
+    """Compute nodes have no internet: datasets come from the local cache (HF_DATASETS_CACHE) only.
+    setdefault: a login node preparing the cache may say HF_DATASETS_OFFLINE=0."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def load_tasks(names: list[str], include: Path) -> dict:
+    """lm-eval Task objects by name, each loaded (its dataset read) here, so that an unknown name or
+    a dataset missing from the cache is one line naming the task, not a traceback mid-run."""
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(include))
+    loaded = {}
+    for name in names:
+        if name not in manager.all_tasks:
+            raise UsageError(f"--tasks {name}: unknown lm-eval task (local: {', '.join(LOCAL_TASKS)}; "
+                             f"with a dataset cache: {', '.join(REAL_TASKS)}, ...)")  # fmt: skip
+        try:
+            loaded.update(manager.load([name])["tasks"])
+        except Exception as e:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
+            cache = os.environ.get("HF_DATASETS_CACHE", "~/.cache/huggingface/datasets")
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"--tasks {name}: its dataset is not in the local datasets cache ({cache}, offline): "
+                             f"{first[:200]} (see docs/evaluation.md)") from None  # fmt: skip
+    return loaded
+
+
+def _model(export_dir: Path, batch_size: int, remote_code: bool):
+    import logging
+
+    from lm_eval.models.huggingface import HFLM
+
+    # lm-eval warns once per request cut to the model's window: hundreds of lines at a short seq_length.
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+
+    return HFLM(pretrained=str(export_dir), device="cpu", dtype="float32", batch_size=batch_size,
+                trust_remote_code=remote_code)  # fmt: skip
+
+
+def task_results(results: dict, task: str) -> dict:
+    """One task's {metric: {"value", "stderr"}, "n"} from simple_evaluate's output."""
+    row = results["results"][task]
+    metrics = {}
+    for name in METRICS:
+        if f"{name},none" in row:
+            stderr = row.get(f"{name}_stderr,none")
+            metrics[name] = {"value": float(row[f"{name},none"]),
+                             "stderr": float(stderr) if isinstance(stderr, (int, float)) else None}  # fmt: skip
+    return {"metrics": metrics, "n": int(results["n-samples"][task]["effective"])}
+
+
+def tokens_at(run_dir: Path, step: int) -> int | None:
+    """Tokens trained through checkpoint `step`, from the metrics record of that step."""
+    for record in reversed(rundir.read_metrics(run_dir)):
+        if record.get("step") == step and "tokens" in record:
+            return int(record["tokens"])
+    return None
+
+
+def evaluate(run_dir: Path, tasks: list[str], step: int | None = None, limit: int | None = None,
+             batch_size: int = 8) -> dict:  # fmt: skip
+    """Scores the checkpoint on `tasks`, records the result in run_dir's eval.json, returns the entry."""
+    from nlq_scale.export.checkpoint import find_checkpoint
+    from nlq_scale.export.hf import export_checkpoint, stock_class
+
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit {limit}: must be >= 1")
+    if batch_size < 1:
+        raise UsageError(f"--batch-size {batch_size}: must be >= 1")
+    ckpt = find_checkpoint(run_dir, step)
+    _offline()
+    with tempfile.TemporaryDirectory(prefix="nlq-eval-") as tmp:
+        local = stage_local_tasks(Path(tmp) / "tasks")
+        loaded = load_tasks(tasks, Path(tmp) / "tasks")
+        export_checkpoint(ckpt, Path(tmp) / "export")
+        remote_code = stock_class(ckpt.cfg.model) is None
+        from lm_eval import simple_evaluate
+
+        results = simple_evaluate(model=_model(Path(tmp) / "export", batch_size, remote_code),
+                                  tasks=list(loaded.values()), limit=limit, bootstrap_iters=BOOTSTRAP_ITERS,
+                                  log_samples=False)  # fmt: skip
+    entry = {
+        "step": ckpt.step, "tokens": tokens_at(run_dir, ckpt.step), "arm": ckpt.cfg.model.arm,
+        "lm_eval": metadata.version("lm_eval"),
+        "tasks": {t: {**task_results(results, t), "limit": limit, **local.get(t, {})} for t in tasks},
+    }  # fmt: skip
+    return rundir.record_eval(run_dir, ckpt.step, entry)
+
+
+def table(entry: dict) -> str:
+    lines = [f"step {entry['step']}  tokens {entry['tokens']}  lm-eval {entry['lm_eval']}",
+             f"{'task':<16} {'metric':<11} {'value':>8} {'stderr':>8} {'n':>6}"]  # fmt: skip
+    for task, result in entry["tasks"].items():
+        for name, m in result["metrics"].items():
+            stderr = "-" if m["stderr"] is None else f"{m['stderr']:.4f}"
+            lines.append(f"{task:<16} {name:<11} {m['value']:>8.4f} {stderr:>8} {result['n']:>6}")
+    return "\n".join(lines)

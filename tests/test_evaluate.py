@@ -1,0 +1,119 @@
+"""`nlq-scale eval`: the local lm-eval tasks are built deterministically from the sample text and load
+in lm-eval; eval on tiny trained runs (stock GPT-2 export and remote-code arm) records accuracies in
+eval.json per step; lm-eval's last-word numbers equal ones computed from the harness's own logits;
+bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from nlq_scale.evaluate import tasks
+from tests.conftest import nlq
+from tests.test_export import refused, train
+from tests.test_model import single_rank  # noqa: F401  (fixture)
+
+
+def test_local_task_documents_are_deterministic_and_well_formed():
+    docs = tasks.task_documents()
+    assert docs == tasks.task_documents()
+    assert {t: len(d) for t, d in docs.items()} == {"nlq_lastword": tasks.TASK_SIZE, "nlq_cloze": tasks.TASK_SIZE}
+    texts = tasks.passages()
+    for doc in docs["nlq_lastword"]:
+        assert doc["text"] + "." in texts and doc["text"].split(" ")[-1].isalpha()
+    for i, doc in enumerate(docs["nlq_cloze"]):
+        assert len(doc["choices"]) == tasks.CHOICES and len(set(doc["choices"])) == tasks.CHOICES
+        assert f"{doc['context']} {doc['choices'][doc['label']]}" in texts  # the true continuation
+    assert {d["label"] for d in docs["nlq_cloze"]} == set(range(tasks.CHOICES))
+
+
+def test_staged_tasks_load_in_lm_eval_with_every_document(tmp_path, monkeypatch):
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(tmp_path.parent)  # data_files must not depend on the cwd
+    info = tasks.stage_local_tasks(tmp_path / "tasks")
+    loaded = TaskManager(include_path=str(tmp_path / "tasks")).load(list(tasks.LOCAL_TASKS))["tasks"]
+    for name in tasks.LOCAL_TASKS:
+        assert len(list(loaded[name].eval_docs)) == info[name]["documents"] == tasks.TASK_SIZE
+    assert loaded["nlq_lastword"].doc_to_target(tasks.task_documents()["nlq_lastword"][0]).startswith(" ")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, sample_dataset) -> dict[str, Path]:
+    """3-step runs: the linear arm (exports as stock GPT-2) and nonlinear (trust_remote_code)."""
+    out = {}
+    for arm in ("linear", "nonlinear"):
+        out[arm] = tmp_path_factory.mktemp("eval") / arm
+        train(out[arm], sample_dataset, 1, "--arm", arm)
+    return out
+
+
+def evaluated(run_dir: Path, *args: str) -> dict:
+    r = nlq("eval", str(run_dir), "--json", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def accuracies(entry: dict) -> list[float]:
+    return [m["value"] for t in entry["tasks"].values() for name, m in t["metrics"].items() if name.startswith("acc")]
+
+
+def test_eval_records_accuracies_per_step_for_stock_and_remote_code_arms(runs):
+    full = evaluated(runs["linear"], "--tasks", "nlq_lastword,nlq_cloze")
+    assert {t: r["n"] for t, r in full["tasks"].items()} == {"nlq_lastword": 100, "nlq_cloze": 100}
+    limited = evaluated(runs["nonlinear"], "--tasks", "nlq_cloze", "--limit", "12", "--step", "3")
+    assert limited["tasks"]["nlq_cloze"]["n"] == 12 and limited["arm"] == "nonlinear"
+    for entry in (full, limited):
+        assert entry["step"] == 3 and entry["tokens"] > 0
+        assert all(0.0 <= a <= 1.0 for a in accuracies(entry)) and len(accuracies(entry)) >= 2
+    # A second task at the same step joins the first; the file keeps one entry per step.
+    evaluated(runs["nonlinear"], "--tasks", "nlq_lastword", "--limit", "5")
+    stored = json.loads((runs["nonlinear"] / "eval.json").read_text())
+    assert list(stored) == ["3"] and set(stored["3"]["tasks"]) == {"nlq_cloze", "nlq_lastword"}
+    assert stored["3"]["tasks"]["nlq_cloze"]["n"] == 12
+
+
+def harness_lastword(run_dir: Path, docs: list[dict]) -> tuple[float, float]:
+    """(acc, perplexity) of the last-word task from the megatron model's logits, tokenized with the
+    harness's tokenizer and cut to the model's window as lm-eval cuts (the last seq_length + 1 tokens)."""
+    from nlq_scale.data.tokenizer import gpt2_tokenizer
+    from nlq_scale.export.checkpoint import find_checkpoint, load_harness_model
+
+    ckpt = find_checkpoint(run_dir, None)
+    model, window = load_harness_model(ckpt), ckpt.cfg.model.seq_length
+    encode = gpt2_tokenizer().encoding.encode
+    greedy, logliks = [], []
+    for doc in docs:
+        context, word = doc["text"].rsplit(" ", 1)
+        ctx = encode(context)
+        target = encode(f"{context} {word}")[len(ctx):]
+        tokens = torch.tensor((ctx + target)[-(window + 1):][:-1])[None]
+        with torch.no_grad():
+            logp = model(tokens, torch.arange(tokens.shape[1])[None], None).float().log_softmax(-1)[0, -len(target):]
+        greedy.append(logp.argmax(-1).tolist() == target)
+        logliks.append(logp[torch.arange(len(target)), torch.tensor(target)].sum().item())
+    return sum(greedy) / len(docs), math.exp(-sum(logliks) / len(docs))
+
+
+def test_lastword_numbers_equal_the_harness_logits(runs, single_rank):
+    limit = 6
+    entry = evaluated(runs["nonlinear"], "--tasks", "nlq_lastword", "--limit", str(limit))
+    acc, ppl = harness_lastword(runs["nonlinear"], tasks.task_documents()["nlq_lastword"][:limit])
+    metrics = entry["tasks"]["nlq_lastword"]["metrics"]
+    assert metrics["acc"]["value"] == acc
+    assert metrics["perplexity"]["value"] == pytest.approx(ppl, rel=1e-4)
+
+
+def test_bad_eval_input_exits_2_with_one_line(runs, tmp_path, capsys):
+    assert "unknown lm-eval task" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "no_such_task")
+    assert "not a run directory" in refused(capsys, "eval", str(tmp_path), "--tasks", "nlq_cloze")
+    assert "--step 7" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "nlq_cloze", "--step", "7")
+    assert "--limit" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "nlq_cloze", "--limit", "0")
+    # lm-eval's own task, whose dataset this machine has never downloaded: one line, not a traceback.
+    r = nlq("eval", str(runs["linear"]), "--tasks", "lambada_openai", env={"HF_DATASETS_CACHE": str(tmp_path / "hf")})
+    assert r.returncode == 2 and "not in the local datasets cache" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
