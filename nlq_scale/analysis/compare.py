@@ -160,6 +160,20 @@ class Trend:
     note: str
 
 
+@dataclass(frozen=True)
+class Downstream:
+    """One arm x scale cell's mean accuracy on one `nlq-scale eval` task metric, over the seeds that
+    have it, next to the cell's loss and compute."""
+
+    arm: str
+    scale: str
+    metric: str  # task/metric, e.g. nlq_cloze/acc
+    n_seeds: int
+    accuracy: Estimate  # seed mean with its bootstrap interval
+    loss: float
+    compute: float | None
+
+
 @dataclass
 class Comparison:
     options: Options
@@ -173,6 +187,7 @@ class Comparison:
     trends: list[Trend]
     lr_optima: list[LrOptimum]
     lr_laws: list[LrScaling]
+    downstream: list[Downstream] = field(default_factory=list)
 
     @property
     def arms(self) -> list[str]:
@@ -212,7 +227,34 @@ def compare(runs: list[Run], options: Options) -> Comparison:
     optima = [lr_optimum(cells[(a, s)], options.resamples, rng, options.level)
               for s in scales for a in arms if (a, s) in cells]  # fmt: skip
     lr_laws = [lr_scaling(optima, arm) for arm in arms]
-    return Comparison(options, reference, verdicts, scales, cells, gaps, arm_fits, multipliers, trends, optima, lr_laws)
+    downstream = downstream_cells(cells, scales, arms, options)
+    return Comparison(options, reference, verdicts, scales, cells, gaps, arm_fits, multipliers, trends, optima, lr_laws,
+                      downstream)  # fmt: skip
+
+
+def downstream_cells(cells: dict[tuple[str, str], Cell], scales: list[str], arms: list[str],
+                     options: Options) -> list[Downstream]:  # fmt: skip
+    """Mean accuracy per arm x scale x task metric with a bootstrap interval over seeds. Its own
+    generator (same seed): eval results never move the loss statistics' intervals."""
+    rng = np.random.default_rng(options.seed)
+    out = []
+    for scale in scales:
+        for arm in arms:
+            cell = cells.get((arm, scale))
+            if cell is None:
+                continue
+            for metric in sorted({m for r in cell.runs for m in r.downstream}):
+                values = np.array([r.downstream[metric] for r in cell.runs if metric in r.downstream])
+                out.append(Downstream(arm, scale, metric, len(values), _accuracy(values, rng, options),
+                                      cell.mean, cell.compute))  # fmt: skip
+    return out
+
+
+def _accuracy(values: np.ndarray, rng: np.random.Generator, options: Options) -> Estimate:
+    if len(values) < MIN_SEEDS_FOR_CI:
+        return Estimate(float(values.mean()), None, f"{len(values)} seed: no interval")
+    boot = stats.resample_means(values, options.resamples, rng, options.level)
+    return Estimate(float(values.mean()), stats.percentile_ci(boot, options.level), resamples=options.resamples)
 
 
 def judge(run: Run, options: Options) -> RunVerdict:

@@ -171,6 +171,33 @@ def loss_vs_lr(comp: Comparison) -> Figure:
     return fig
 
 
+def accuracy_vs_compute(comp: Comparison) -> Figure | None:
+    """One panel per eval task metric: seed-mean accuracy against training compute per arm, bars =
+    the bootstrap interval (none with one seed)."""
+    metrics = sorted({d.metric for d in comp.downstream if d.compute is not None})
+    if not metrics:
+        return None
+    colors = arm_colors(comp)
+    fig, axes = _grid(len(metrics), "Downstream accuracy vs training compute")
+    for ax, metric in zip(axes, metrics):
+        for arm in comp.arms:
+            rows = [d for d in comp.downstream if d.arm == arm and d.metric == metric and d.compute is not None]
+            if not rows:
+                continue
+            x = np.array([d.compute for d in rows])
+            y = np.array([d.accuracy.value for d in rows])
+            ci = [d.accuracy.ci or (d.accuracy.value, d.accuracy.value) for d in rows]
+            err = np.array([[v - lo for v, (lo, _) in zip(y, ci)], [hi - v for v, (_, hi) in zip(y, ci)]])
+            ax.errorbar(x, y, yerr=err, fmt="o-", color=colors[arm], capsize=3, label=arm)
+        ax.set_xscale("log")
+        ax.set_xlabel("training compute C (FLOPs)")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def figures(comp: Comparison) -> dict[str, Figure]:
     """File stem -> figure, for the report."""
     out = {"loss_vs_step": loss_vs_step(comp)}
@@ -183,6 +210,9 @@ def figures(comp: Comparison) -> dict[str, Figure]:
     rel = relative_improvement(comp)
     if rel is not None:
         out["relative_improvement"] = rel
+    accuracy = accuracy_vs_compute(comp)
+    if accuracy is not None:
+        out["accuracy_vs_compute"] = accuracy
     return out
 
 

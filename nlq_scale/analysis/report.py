@@ -62,6 +62,7 @@ def summary(comp: Comparison, plots: dict[str, str] | None = None) -> dict[str, 
         "trends": [_trend_row(t) for t in comp.trends],
         "lr_optima": [_optimum_row(o) for o in comp.lr_optima],
         "lr_scaling": [_lr_law_row(law) for law in comp.lr_laws],
+        "downstream": [_downstream_row(d) for d in comp.downstream],
         "findings": findings(comp),
         "limits": limits(comp),
         "plots": plots or {},
@@ -87,6 +88,11 @@ def _cell_row(c) -> dict:
         "compute": _num(c.compute), "params": c.params,
         "lr_grid": [{"lr": p.lr, "mean": _num(p.mean), "n_seeds": p.n} for p in c.lr_grid],
     }
+
+
+def _downstream_row(d) -> dict:
+    return {"arm": d.arm, "scale": d.scale, "metric": d.metric, "n_seeds": d.n_seeds,
+            "accuracy": _estimate(d.accuracy), "loss": _num(d.loss), "compute": _num(d.compute)}  # fmt: skip
 
 
 def _gap_row(g: Gap) -> dict:
@@ -268,6 +274,11 @@ def markdown(comp: Comparison, plots: dict[str, str]) -> str:
         "## Final validation loss per arm x scale",
         _cells_table(comp),
     ]
+    if comp.downstream:
+        parts += ["## Downstream accuracy per arm x scale",
+                  "`nlq-scale eval` results at each run's newest evaluated checkpoint (docs/evaluation.md): "
+                  "seed mean with its bootstrap interval, beside the cell's final validation loss.",
+                  _downstream_table(comp)]  # fmt: skip
     if any(len(c.lr_grid) > 1 for c in comp.cells.values()):
         parts += ["## Learning-rate grid", _lr_table(comp), "## Learning-rate optimum per arm x scale",
                   "η*: vertex of a parabola in log LR through the grid's minimum and up to two neighbours each "
@@ -306,6 +317,14 @@ def _cells_table(comp: Comparison) -> str:
         ["scale", "arm", "best lr", "seeds", "mean", "std", "min", "max", "compute C (FLOPs)", "params N"],
         [[c.scale, c.arm, _g(c.best_lr), c.n, _g(c.mean, ".4f"), _g(c.std, ".4f"), _g(c.losses.min(), ".4f"),
           _g(c.losses.max(), ".4f"), _g(c.compute, ".3e"), _g(c.params, ",")] for c in _ordered_cells(comp)],
+    )
+
+
+def _downstream_table(comp: Comparison) -> str:
+    return _table(
+        ["scale", "arm", "task/metric", "seeds", "accuracy", _ci_label(comp), "val loss", "compute C (FLOPs)"],
+        [[d.scale, d.arm, d.metric, d.n_seeds, _g(d.accuracy.value, ".4f"), _fmt_ci(d.accuracy.ci, ".4f"),
+          _g(d.loss, ".4f"), _g(d.compute, ".3e")] for d in comp.downstream],
     )
 
 

@@ -13,7 +13,7 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -23,7 +23,7 @@ from nlq_scale.config.load import build_run_config
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
 from nlq_scale.train.rundir import (
-    METRICS_FILE, STATES, STATUS_FILE, is_run_dir, read_config, read_json, read_manifest, read_metrics,
+    METRICS_FILE, STATES, STATUS_FILE, is_run_dir, read_config, read_eval, read_json, read_manifest, read_metrics,
 )
 
 VAL_KEY = "val/loss"
@@ -57,6 +57,8 @@ class Run:
     first_nonfinite_train_step: int | None = None
     diverged_event_step: int | None = None  # the train loop's own divergence guard fired here
     sweep: str | None = None  # the sweep that made the run (its W&B group)
+    # `nlq-scale eval` results of the newest evaluated checkpoint: "task/metric" -> value (eval.json)
+    downstream: dict[str, float] = field(default_factory=dict)
 
     @property
     def has_val(self) -> bool:
@@ -154,7 +156,18 @@ def _reject_duplicates(runs: list[Run]) -> None:
 def load_run_dir(path: Path) -> Run:
     cfg = read_config(path)
     state = str(read_json(path / STATUS_FILE).get("state") or "unknown")
-    return build_run(cfg, read_metrics(path), state, read_manifest(path), source=str(path), run_id=cfg.name or path.name)
+    run = build_run(cfg, read_metrics(path), state, read_manifest(path), source=str(path), run_id=cfg.name or path.name)
+    return replace(run, downstream=downstream_of(read_eval(path)))
+
+
+def downstream_of(evals: dict[int, dict]) -> dict[str, float]:
+    """"task/metric" -> value at the newest evaluated step (where the run's final loss is, for a
+    finished run evaluated after training); perplexity is left out: it is no accuracy."""
+    if not evals:
+        return {}
+    entry = evals[max(evals)]
+    return {f"{task}/{name}": float(m["value"]) for task, result in sorted(entry.get("tasks", {}).items())
+            for name, m in result.get("metrics", {}).items() if name.startswith("acc")}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
