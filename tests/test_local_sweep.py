@@ -45,3 +45,19 @@ def test_a_local_run_that_fails_fails_the_command(tmp_path, sample_dataset):
     r = _submit_local(tmp_path, sample_dataset, "runtime.device=cuda")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "1 of 1 local runs did not complete: cpu-xs-nonlinear-s1234-lr0.003" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_sweep_with_eval_evaluates_each_run_after_training(tmp_path, sample_dataset):
+    """Sweep key `eval`: the local executor scores each completed run right after it trains."""
+    sweep = tmp_path / "eval-sweep.yaml"
+    sweep.write_text(
+        "name: evalsweep\ncluster: local\nscales: [cpu-xs]\narms: [linear]\nseeds: [1]\n"
+        f"data: {{path: {sample_dataset}, seed: 0}}\n"
+        "eval: {tasks: [nlq_cloze, nlq_lastword], limit: 5}\n"
+    )
+    r = nlq("submit", str(sweep), "--executor", "local", "--root", str(tmp_path / "runs"), *TWO_STEPS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run_dir,) = [p for p in (tmp_path / "runs" / "evalsweep").iterdir() if p.is_dir() and p.name[0] not in "_."]
+    (entry,) = json.loads((run_dir / "eval.json").read_text()).values()
+    assert entry["step"] == 2 and {t: v["n"] for t, v in entry["tasks"].items()} == {"nlq_cloze": 5, "nlq_lastword": 5}

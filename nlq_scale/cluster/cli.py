@@ -206,7 +206,7 @@ def _submit_due(args, sweep, cluster, root: Path) -> tuple[list[str], list[dict]
     check_prepared_data(r.spec for r in runs)
     decisions, records = decide_and_submit(runs, root, sweep.name, cluster, args.executor, dry_run=args.dry_run,
                                            retry_failed=args.retry_failed, retry_stale=args.retry_stale,
-                                           stale_s=args.stale_after)
+                                           stale_s=args.stale_after, evaluation=sweep.eval)
     jobs = {r["run_id"]: r["job_id"] for r in records}
     rows = [
         {"run_id": d.run.spec.run_id, "action": d.action, "reason": d.reason, "run_dir": str(d.run_dir),

@@ -221,6 +221,25 @@ def submit_follow_up(cluster: ClusterConfig, root: Path, sweep: str, after: Iter
     return str(launch(lambda: executor.submit(fn)).job_id)
 
 
+def submit_eval(kind: ExecutorKind, folder: Path, cluster: ClusterConfig, name: str, run_dir: Path,
+                evaluation, after: str | None = None):  # fmt: skip
+    """Queue `nlq-scale eval` of a run (sweep key `eval`) as a one-task job; on SLURM it starts only
+    when the training job `after` succeeded (afterok: a failed or cancelled run has nothing to score)."""
+    import submitit
+
+    from nlq_scale.cluster.job import EvalJob
+
+    executor = submitit.AutoExecutor(folder=folder, cluster=kind)
+    params = {"name": f"{name}-eval", "timeout_min": cluster.time_limit_min, "nodes": 1, "tasks_per_node": 1}
+    if kind == "slurm":
+        params |= {"slurm_partition": cluster.partition, "slurm_account": cluster.account, "slurm_qos": cluster.qos,
+                   "slurm_setup": cluster.setup or None, "cpus_per_task": cluster.cpus_per_task,
+                   "slurm_additional_parameters": {"dependency": f"afterok:{after}"}}  # fmt: skip
+    executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
+    fn = EvalJob(str(run_dir), list(evaluation.tasks), evaluation.limit, evaluation.batch_size)
+    return launch(lambda: executor.submit(fn))
+
+
 def _record_job(run_dir: Path, kind: ExecutorKind, job) -> dict:
     record = {
         "executor": kind,
@@ -253,9 +272,11 @@ def submit(
     root: Path,
     sweep: str,
     train_fn=None,
+    evaluation=None,
 ) -> list[dict]:
     """Submit every non-skipped decision. SLURM: returns once queued. local: runs them one after the
-    other on this machine and returns when all ended."""
+    other on this machine and returns when all ended. `evaluation` (the sweep's EvalSpec): each run
+    is evaluated after training (local: right after it; SLURM: a job depending on it)."""
     from nlq_scale.cluster.job import TrainJob
 
     todo = [d for d in decisions if d.action != "skip"]
@@ -275,18 +296,34 @@ def submit(
         if kind == "slurm":
             jobs = launch(lambda: _submit_array(executor, fns))
             records += [_record(d, kind, job) for d, job in zip(group, jobs)]
+            if evaluation is not None:
+                for record, d, job in zip(records[-len(group):], group, jobs):
+                    after = str(job.job_id)
+                    record["eval_job_id"] = str(submit_eval(kind, folder, cluster, sweep, d.run_dir, evaluation, after).job_id)
             continue
         for d, fn in zip(group, fns):  # one at a time: runs on one machine would only slow each other down
             job = launch(lambda: executor.submit(fn))
             records.append(_record(d, kind, job))
             _wait_local(job, d)
+            if evaluation is not None and read_status(d.run_dir).get("state") == "completed":
+                records[-1]["eval_job_id"] = _eval_locally(folder, cluster, sweep, d, evaluation)
     return records
+
+
+def _eval_locally(folder: Path, cluster: ClusterConfig, sweep: str, d: Decision, evaluation) -> str:
+    eval_job = submit_eval("local", folder, cluster, sweep, d.run_dir, evaluation)
+    print(f"evaluating {d.run.spec.run_id} locally (job {eval_job.job_id}, log {eval_job.paths.stderr})",
+          file=sys.stderr, flush=True)  # fmt: skip
+    eval_job.wait()
+    if eval_job.state != "DONE" and eval_job.exception() is not None:
+        print(f"evaluation of {d.run.spec.run_id} failed: see {eval_job.paths.stderr}", file=sys.stderr, flush=True)
+    return str(eval_job.job_id)
 
 
 def decide_and_submit(
     runs: list[PlannedRun], root: Path, sweep: str, cluster: ClusterConfig, kind: ExecutorKind, *,
     dry_run: bool = False, retry_failed: bool = False, retry_stale: bool = False, stale_s: float | None = None,
-    train_fn=None,
+    train_fn=None, evaluation=None,
 ) -> tuple[list[Decision], list[dict]]:
     """`submit`: decided and submitted under the sweep's lock, so a second submission decides only
     once the first's jobs are recorded (and finds them queued)."""
@@ -294,7 +331,7 @@ def decide_and_submit(
         return decide(runs, root, retry_failed, retry_stale, stale_s), []
     with sweep_lock(root, sweep):
         decisions = decide(runs, root, retry_failed, retry_stale, stale_s)
-        return decisions, submit(decisions, cluster, kind, root, sweep, train_fn)
+        return decisions, submit(decisions, cluster, kind, root, sweep, train_fn, evaluation)
 
 
 def _record(d: Decision, kind: ExecutorKind, job) -> dict:

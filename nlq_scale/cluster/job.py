@@ -92,3 +92,16 @@ def _train_run() -> TrainFn:
     from nlq_scale.train.api import train_run
 
     return train_run
+
+
+class EvalJob:
+    """`nlq-scale eval` of a run's newest checkpoint, as a job submitted after its training job.
+    Picklable: plain data."""
+
+    def __init__(self, run_dir: str, tasks: list[str], limit: int | None, batch_size: int) -> None:
+        self.run_dir, self.tasks, self.limit, self.batch_size = run_dir, tasks, limit, batch_size
+
+    def __call__(self) -> dict:
+        from nlq_scale.evaluate.run import evaluate
+
+        return evaluate(Path(self.run_dir), self.tasks, None, self.limit, self.batch_size)

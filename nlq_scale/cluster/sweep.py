@@ -140,6 +140,14 @@ class LrSearch(Strict):
         return self
 
 
+class EvalSpec(Strict):
+    """Downstream evaluation of every run once it has trained (`nlq-scale eval`, docs/evaluation.md)."""
+
+    tasks: list[str] = Field(min_length=1, description="lm-eval task names, e.g. [nlq_lastword, nlq_cloze]")
+    limit: PositiveInt | None = Field(None, description="documents per task (None: all)")
+    batch_size: PositiveInt = 8
+
+
 class SweepConfig(Strict):
     name: str = Field(description="sweep name: the directory under the root and the W&B group")
     arms: list[ArmSpec] = Field(min_length=1)
@@ -155,6 +163,8 @@ class SweepConfig(Strict):
     cluster: str | None = Field(None, description="cluster file (path, or a name in configs/clusters)")
     root: str | None = Field(None, description="default run root for submit (default ./runs)")
     overrides: dict[str, Any] = Field(default_factory=dict, description="config overrides for every run")
+    eval: EvalSpec | None = Field(None, description="evaluate each run after training: local executor right "
+                                  "after the run, SLURM as a job depending on the training job (afterok)")
 
     @field_validator("name")
     @classmethod
