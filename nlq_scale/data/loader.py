@@ -264,11 +264,18 @@ def _val_rows(ds: PreparedDataset, count: int, field: str = "data.val_sequences"
 def make_val_set(data: DataConfig, *, seq_length: int) -> torch.Tensor:
     """The fixed validation set: data.val_sequences sequences of the val split(s), [N, seq_length+1].
     A mixture takes each stream's share by proportion. Identical on every call, for every arm."""
-    datasets = _checked_datasets(data, seq_length)
+    return _fixed_val_set(data, _checked_datasets(data, seq_length))
+
+
+def _fixed_val_set(data: DataConfig, datasets: list[tuple[PreparedDataset, float | None]]) -> torch.Tensor:
     weights = [p if p is not None else 1.0 for _, p in datasets]
     rows = []
     for (ds, _), count in zip(datasets, _apportion(data.val_sequences, weights)):
         rows.extend(_val_rows(ds, count))
+    return _stacked(rows)
+
+
+def _stacked(rows: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
@@ -276,15 +283,15 @@ def make_val_sets(data: DataConfig, *, seq_length: int) -> dict[str, torch.Tenso
     """Every validation set by its metric (DataConfig.val_sets): the fixed set above as val/loss, and
     each named set's sequences, spread over its dataset's val split the same way, as val/<name>/loss.
     Independent of world size and arm, like the fixed set."""
-    sets = {"val/loss": make_val_set(data, seq_length=seq_length)}
-    first = _checked_datasets(data, seq_length)[0][0]
+    datasets = _checked_datasets(data, seq_length)
+    sets = {"val/loss": _fixed_val_set(data, datasets)}
+    first = datasets[0][0]
     for i, v in enumerate(data.validation):
         ds = open_prepared(v.path, field=f"data.validation[{i}].path")
         _check_seq_len(ds, seq_length)
         if ds.tokenizer != first.tokenizer:
             raise UsageError(f"data.validation[{i}].path: {ds.path} was tokenized differently from {first.path}")
-        rows = _val_rows(ds, v.sequences, f"data.validation[{i}].sequences")
-        sets[f"val/{v.name}/loss"] = torch.from_numpy(np.stack(rows).astype(np.int64))
+        sets[f"val/{v.name}/loss"] = _stacked(_val_rows(ds, v.sequences, f"data.validation[{i}].sequences"))
     return sets
 
 
