@@ -41,6 +41,16 @@ def test_submit_refuses_a_validation_set_the_layout_cannot_split(tmp_path):
     assert not (tmp_path / "paper-124m").exists()
 
 
+def test_submit_refuses_an_unknown_eval_task_before_queueing_anything(tmp_path, sample_dataset):
+    sweep = yaml.safe_load((REPO / "configs" / "sweeps" / "smoke.yaml").read_text())
+    path = tmp_path / "evaluated.yaml"
+    path.write_text(yaml.safe_dump(sweep | {"eval": {"tasks": ["nlq_cloze", "hellaswg"]}}))
+    r = nlq("submit", str(path), "--root", str(tmp_path / "runs"), "--executor", "local", f"data.path={sample_dataset}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "eval.tasks: hellaswg: unknown lm-eval task" in r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def _cluster_file(tmp_path: Path, **extra) -> Path:
     raw = yaml.safe_load((REPO / "configs" / "clusters" / "example-8x80gb.yaml").read_text()) | extra
     path = tmp_path / "my-cluster.yaml"
@@ -48,27 +58,47 @@ def _cluster_file(tmp_path: Path, **extra) -> Path:
     return path
 
 
-def test_sbatch_options_come_from_the_cluster_file(tmp_path, monkeypatch):
-    from nlq_scale.cluster.executors import make_executor
-    from nlq_scale.cluster.plan import Layout, load_cluster
-
-    # submitit's SLURM executor wants an `srun` on PATH; this test only renders the sbatch script, so
-    # it must not depend on whether an earlier test installed SLURM on this machine.
+@pytest.fixture
+def fake_srun(tmp_path, monkeypatch):
+    """submitit's SLURM executor wants an `srun` on PATH; these tests only render sbatch scripts, so
+    they must not depend on whether an earlier test installed SLURM on this machine."""
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
     (tmp_path / "bin" / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+
+
+def sbatch_script(executor) -> str:
+    return executor._executor._make_submission_file_text("true", "uid")  # what sbatch would be given
+
+
+def test_sbatch_options_come_from_the_cluster_file(tmp_path, fake_srun):
+    from nlq_scale.cluster.executors import make_executor
+    from nlq_scale.cluster.plan import Layout, load_cluster
 
     cluster = load_cluster(str(_cluster_file(tmp_path, exclusive=True, gres="gpu:8", exclude="node[07,12]",
                                              account="proj42", qos="high")))
     layout = Layout(nodes=2, tasks_per_node=8, tp=1, pp=1, dp=16, micro_batch_size=4, grad_accum=1,
                     recompute="selective", sequence_parallel=False)
     executor = make_executor("slurm", tmp_path / "submitit", cluster, layout, "ladder-124m")
-    script = executor._executor._make_submission_file_text("true", "uid")  # what sbatch would be given
+    script = sbatch_script(executor)
     for line in ("--exclusive", "--gres=gpu:8", "--exclude='node[07,12]'", "--account=proj42", "--qos=high",
                  "--nodes=2", "--ntasks-per-node=8"):
         assert f"#SBATCH {line}\n" in script, line
     assert "--gpus-per-node" not in script  # gres asks for the GPUs instead
+
+
+@pytest.mark.parametrize(("gres", "line"), [(None, "--gpus-per-node=1"), ("gpu:8", "--gres=gpu:1"),
+                                            ("gpu:a100:8", "--gres=gpu:a100:1"), ("gpu:a100", "--gres=gpu:a100")])
+def test_an_evaluation_job_asks_for_one_gpu_after_its_training_job(tmp_path, fake_srun, gres, line):
+    from nlq_scale.cluster.executors import eval_executor
+    from nlq_scale.cluster.plan import load_cluster
+
+    cluster = load_cluster(str(_cluster_file(tmp_path, gres=gres, account="proj42")))
+    script = sbatch_script(eval_executor("slurm", tmp_path / "submitit", cluster, "ladder", after="123_4"))
+    for expected in (line, "--dependency=afterok:123_4", "--account=proj42", "--ntasks-per-node=1"):
+        assert f"#SBATCH {expected}\n" in script, expected
+    assert sum(ln.startswith(("#SBATCH --gres", "#SBATCH --gpus")) for ln in script.splitlines()) == 1
 
 
 def test_a_misspelt_sbatch_option_in_the_cluster_file_is_refused(tmp_path, sample_dataset):

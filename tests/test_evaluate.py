@@ -1,7 +1,7 @@
 """`nlq-scale eval`: the local lm-eval tasks are built deterministically from the sample text and load
 in lm-eval; eval on tiny trained runs (stock GPT-2 export and remote-code arm) records accuracies in
-eval.json per step; lm-eval's last-word numbers equal ones computed from the harness's own logits;
-bad input is one line, exit 2."""
+eval.json per step, and lm-eval's last-word numbers equal ones computed from the harness's own
+logits; bad input is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -62,19 +62,26 @@ def accuracies(entry: dict) -> list[float]:
     return [m["value"] for t in entry["tasks"].values() for name, m in t["metrics"].items() if name.startswith("acc")]
 
 
-def test_eval_records_accuracies_per_step_for_stock_and_remote_code_arms(runs):
+def test_eval_records_accuracies_per_step_for_stock_and_remote_code_arms(runs, single_rank):
     full = evaluated(runs["linear"], "--tasks", "nlq_lastword,nlq_cloze")
     assert {t: r["n"] for t, r in full["tasks"].items()} == {"nlq_lastword": 100, "nlq_cloze": 100}
     limited = evaluated(runs["nonlinear"], "--tasks", "nlq_cloze", "--limit", "12", "--step", "3")
     assert limited["tasks"]["nlq_cloze"]["n"] == 12 and limited["arm"] == "nonlinear"
     for entry in (full, limited):
-        assert entry["step"] == 3 and entry["tokens"] > 0
+        assert entry["step"] == 3 and entry["tokens"] > 0 and entry["device"] == "cpu"
         assert all(0.0 <= a <= 1.0 for a in accuracies(entry)) and len(accuracies(entry)) >= 2
-    # A second task at the same step joins the first; the file keeps one entry per step.
-    evaluated(runs["nonlinear"], "--tasks", "nlq_lastword", "--limit", "5")
+
+    # A second task at the same step joins the first; the file keeps one entry per step. Its
+    # numbers equal ones computed from the harness's own logits.
+    limit = 6
+    entry = evaluated(runs["nonlinear"], "--tasks", "nlq_lastword", "--limit", str(limit))
     stored = json.loads((runs["nonlinear"] / "eval.json").read_text())
     assert list(stored) == ["3"] and set(stored["3"]["tasks"]) == {"nlq_cloze", "nlq_lastword"}
     assert stored["3"]["tasks"]["nlq_cloze"]["n"] == 12
+    acc, ppl = harness_lastword(runs["nonlinear"], tasks.task_documents()["nlq_lastword"][:limit])
+    metrics = entry["tasks"]["nlq_lastword"]["metrics"]
+    assert metrics["acc"]["value"] == acc
+    assert metrics["perplexity"]["value"] == pytest.approx(ppl, rel=1e-4)
 
 
 def harness_lastword(run_dir: Path, docs: list[dict]) -> tuple[float, float]:
@@ -99,20 +106,14 @@ def harness_lastword(run_dir: Path, docs: list[dict]) -> tuple[float, float]:
     return sum(greedy) / len(docs), math.exp(-sum(logliks) / len(docs))
 
 
-def test_lastword_numbers_equal_the_harness_logits(runs, single_rank):
-    limit = 6
-    entry = evaluated(runs["nonlinear"], "--tasks", "nlq_lastword", "--limit", str(limit))
-    acc, ppl = harness_lastword(runs["nonlinear"], tasks.task_documents()["nlq_lastword"][:limit])
-    metrics = entry["tasks"]["nlq_lastword"]["metrics"]
-    assert metrics["acc"]["value"] == acc
-    assert metrics["perplexity"]["value"] == pytest.approx(ppl, rel=1e-4)
-
-
 def test_bad_eval_input_exits_2_with_one_line(runs, tmp_path, capsys):
     assert "unknown lm-eval task" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "no_such_task")
     assert "not a run directory" in refused(capsys, "eval", str(tmp_path), "--tasks", "nlq_cloze")
     assert "--step 7" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "nlq_cloze", "--step", "7")
     assert "--limit" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "nlq_cloze", "--limit", "0")
+    if not torch.cuda.is_available():
+        assert "--device cuda: no CUDA device" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "nlq_cloze",
+                                                          "--device", "cuda")  # fmt: skip
     # lm-eval's own task, whose dataset this machine has never downloaded: one line, not a traceback.
     r = nlq("eval", str(runs["linear"]), "--tasks", "lambada_openai", env={"HF_DATASETS_CACHE": str(tmp_path / "hf")})
     assert r.returncode == 2 and "not in the local datasets cache" in r.stderr

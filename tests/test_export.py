@@ -89,12 +89,22 @@ def test_export_logits_and_greedy_tokens_equal_the_harness(single_rank, tmp_path
 
     prompt = tokens[0, :5].tolist()
     new = decode_harness(model, prompt, 12, EOT_ID)
+    assert new == greedy_recomputing_the_prefix(model, prompt, 12, EOT_ID)  # the KV cache changes nothing
     lengths = []  # tokens per forward call: the prompt, then one at a time (a KV cache)
     hook = hf.register_forward_pre_hook(lambda _m, _a, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True)
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=EOT_ID)
     hook.remove()
     assert out[0, 5:].tolist() == new
     assert lengths == [5] + [1] * (len(new) - 1)
+
+
+def greedy_recomputing_the_prefix(model, prompt: list[int], max_new_tokens: int, eot: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        ids.append(int(harness_logits(model, torch.tensor([ids]))[0, -1].argmax()))
+        if ids[-1] == eot:
+            break
+    return ids[len(prompt):]
 
 
 def test_sampling_is_seeded_and_top_1_is_greedy(single_rank):

@@ -204,14 +204,19 @@ def _submit_due(args, sweep, cluster, root: Path) -> tuple[list[str], list[dict]
     runs = _only(plan_specs(sweep, specs, cluster), args.only, sweep.name)
     check_launchable(runs)
     check_prepared_data(r.spec for r in runs)
+    if sweep.eval is not None:
+        from nlq_scale.evaluate.run import check_sweep_tasks
+
+        check_sweep_tasks(sweep.eval.tasks)
     decisions, records = decide_and_submit(runs, root, sweep.name, cluster, args.executor, dry_run=args.dry_run,
                                            retry_failed=args.retry_failed, retry_stale=args.retry_stale,
                                            stale_s=args.stale_after, evaluation=sweep.eval)
-    jobs = {r["run_id"]: r["job_id"] for r in records}
+    jobs = {r["run_id"]: r for r in records}
     rows = [
         {"run_id": d.run.spec.run_id, "action": d.action, "reason": d.reason, "run_dir": str(d.run_dir),
          "nodes": d.run.plan.layout.nodes, "tasks_per_node": d.run.plan.layout.tasks_per_node,
-         "job_id": jobs.get(d.run.spec.run_id)}
+         "job_id": jobs.get(d.run.spec.run_id, {}).get("job_id"),
+         "eval_job_id": jobs.get(d.run.spec.run_id, {}).get("eval_job_id")}
         for d in decisions
     ]
     if not args.json:

@@ -225,9 +225,15 @@ def submit_eval(kind: ExecutorKind, folder: Path, cluster: ClusterConfig, name: 
                 evaluation, after: str | None = None):  # fmt: skip
     """Queue `nlq-scale eval` of a run (sweep key `eval`) as a one-task job; on SLURM it starts only
     when the training job `after` succeeded (afterok: a failed or cancelled run has nothing to score)."""
-    import submitit
-
     from nlq_scale.cluster.job import EvalJob
+
+    executor = eval_executor(kind, folder, cluster, name, after)
+    fn = EvalJob(str(run_dir), list(evaluation.tasks), evaluation.limit, evaluation.batch_size)
+    return launch(lambda: executor.submit(fn))
+
+
+def eval_executor(kind: ExecutorKind, folder: Path, cluster: ClusterConfig, name: str, after: str | None):
+    import submitit
 
     executor = submitit.AutoExecutor(folder=folder, cluster=kind)
     params = {"name": f"{name}-eval", "timeout_min": cluster.time_limit_min, "nodes": 1, "tasks_per_node": 1}
@@ -235,9 +241,19 @@ def submit_eval(kind: ExecutorKind, folder: Path, cluster: ClusterConfig, name: 
         params |= {"slurm_partition": cluster.partition, "slurm_account": cluster.account, "slurm_qos": cluster.qos,
                    "slurm_setup": cluster.setup or None, "cpus_per_task": cluster.cpus_per_task,
                    "slurm_additional_parameters": {"dependency": f"afterok:{after}"}}  # fmt: skip
+        if cluster.device == "gpu":  # one GPU scores the model; lm-eval runs it there (--device auto)
+            params |= _one_gpu(cluster)
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
-    fn = EvalJob(str(run_dir), list(evaluation.tasks), evaluation.limit, evaluation.batch_size)
-    return launch(lambda: executor.submit(fn))
+    return executor
+
+
+def _one_gpu(cluster: ClusterConfig) -> dict:
+    """The request for one GPU in the cluster's own form: `gres` with its count set to 1
+    (gpu:a100:8 -> gpu:a100:1; gpu and gpu:a100 already mean one), else --gpus-per-node=1."""
+    if cluster.gres is None:
+        return {"gpus_per_node": 1}
+    name, _, count = cluster.gres.rpartition(":")
+    return {"slurm_gres": f"{name}:1" if name and count.isdigit() else cluster.gres}
 
 
 def _record_job(run_dir: Path, kind: ExecutorKind, job) -> dict:

@@ -22,6 +22,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
     p.add_argument("--limit", type=int, help="score only the first N documents of each task")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where lm-eval runs the model (auto: the GPU if one is visible)")
     p.add_argument("--json", action="store_true", help="the step's recorded results as JSON")
     p.set_defaults(func=run_eval)
 
@@ -33,7 +35,7 @@ def run_eval(args: argparse.Namespace) -> int:
     # Libraries imported on the way (DeepSpeed's accelerator probe, via accelerate) log to stdout;
     # stdout is the table or the JSON document only.
     with contextlib.redirect_stdout(sys.stderr):
-        entry = evaluate(args.run_dir, parse_tasks(args.tasks), args.step, args.limit, args.batch_size)
+        entry = evaluate(args.run_dir, parse_tasks(args.tasks), args.step, args.limit, args.batch_size, args.device)
     if args.json:
         emit_json(entry)
     else:

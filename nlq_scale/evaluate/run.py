@@ -1,5 +1,6 @@
 """`nlq-scale eval`: a run's checkpoint exported to a temporary transformers directory and scored by
-lm-evaluation-harness on CPU, offline; the results merged into the run's eval.json (per step).
+lm-evaluation-harness offline (on the GPU where there is one); the results merged into the run's
+eval.json (per step).
 
 lm-eval is imported here only, inside the command: `import nlq_scale` never loads it (it pulls in
 datasets, pandas, scikit-learn, ...)."""
@@ -35,17 +36,35 @@ def _offline() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
+def check_task_names(names: list[str], manager, field: str = "--tasks") -> None:
+    """Every name is a task lm-eval (with the local tasks staged) knows; `field` names the input."""
+    for name in names:
+        if name not in manager.all_tasks:
+            raise UsageError(f"{field} {name}: unknown lm-eval task (local: {', '.join(LOCAL_TASKS)}; "
+                             f"with a dataset cache: {', '.join(REAL_TASKS)}, ...)")  # fmt: skip
+
+
+def task_manager(include: Path):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(include))
+
+
+def check_sweep_tasks(names: list[str]) -> None:
+    """`submit`: a sweep's `eval.tasks` are checked before any training job is queued (their datasets
+    are not: the evaluation jobs read the compute nodes' cache)."""
+    with tempfile.TemporaryDirectory(prefix="nlq-eval-") as tmp:
+        stage_local_tasks(Path(tmp))
+        check_task_names(names, task_manager(Path(tmp)), "eval.tasks:")
+
+
 def load_tasks(names: list[str], include: Path) -> dict:
     """lm-eval Task objects by name, each loaded (its dataset read) here, so that an unknown name or
     a dataset missing from the cache is one line naming the task, not a traceback mid-run."""
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=str(include))
+    manager = task_manager(include)
+    check_task_names(names, manager)
     loaded = {}
     for name in names:
-        if name not in manager.all_tasks:
-            raise UsageError(f"--tasks {name}: unknown lm-eval task (local: {', '.join(LOCAL_TASKS)}; "
-                             f"with a dataset cache: {', '.join(REAL_TASKS)}, ...)")  # fmt: skip
         try:
             loaded.update(manager.load([name])["tasks"])
         except Exception as e:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
@@ -56,7 +75,18 @@ def load_tasks(names: list[str], include: Path) -> dict:
     return loaded
 
 
-def _model(export_dir: Path, batch_size: int, remote_code: bool):
+def eval_device(requested: str) -> str:
+    """`auto`: the GPU where the job has one (a cluster's evaluation job asks for one), else the CPU."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device visible here (use --device auto or cpu)")
+    return requested
+
+
+def _model(export_dir: Path, batch_size: int, remote_code: bool, device: str):
     import logging
 
     from lm_eval.models.huggingface import HFLM
@@ -64,7 +94,8 @@ def _model(export_dir: Path, batch_size: int, remote_code: bool):
     # lm-eval warns once per request cut to the model's window: hundreds of lines at a short seq_length.
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
 
-    return HFLM(pretrained=str(export_dir), device="cpu", dtype="float32", batch_size=batch_size,
+    # float32 on either device: the same numbers as the harness's fp32 logits (docs/export.md).
+    return HFLM(pretrained=str(export_dir), device=device, dtype="float32", batch_size=batch_size,
                 trust_remote_code=remote_code)  # fmt: skip
 
 
@@ -89,7 +120,7 @@ def tokens_at(run_dir: Path, step: int) -> int | None:
 
 
 def evaluate(run_dir: Path, tasks: list[str], step: int | None = None, limit: int | None = None,
-             batch_size: int = 8) -> dict:  # fmt: skip
+             batch_size: int = 8, device: str = "auto") -> dict:  # fmt: skip
     """Scores the checkpoint on `tasks`, records the result in run_dir's eval.json, returns the entry."""
     from nlq_scale.export.checkpoint import find_checkpoint
     from nlq_scale.export.hf import export_checkpoint, stock_class
@@ -98,6 +129,7 @@ def evaluate(run_dir: Path, tasks: list[str], step: int | None = None, limit: in
         raise UsageError(f"--limit {limit}: must be >= 1")
     if batch_size < 1:
         raise UsageError(f"--batch-size {batch_size}: must be >= 1")
+    device = eval_device(device)
     ckpt = find_checkpoint(run_dir, step)
     _offline()
     with tempfile.TemporaryDirectory(prefix="nlq-eval-") as tmp:
@@ -107,12 +139,12 @@ def evaluate(run_dir: Path, tasks: list[str], step: int | None = None, limit: in
         remote_code = stock_class(ckpt.cfg.model) is None
         from lm_eval import simple_evaluate
 
-        results = simple_evaluate(model=_model(Path(tmp) / "export", batch_size, remote_code),
+        results = simple_evaluate(model=_model(Path(tmp) / "export", batch_size, remote_code, device),
                                   tasks=list(loaded.values()), limit=limit, bootstrap_iters=BOOTSTRAP_ITERS,
                                   log_samples=False)  # fmt: skip
     entry = {
         "step": ckpt.step, "tokens": tokens_at(run_dir, ckpt.step), "arm": ckpt.cfg.model.arm,
-        "lm_eval": metadata.version("lm_eval"),
+        "lm_eval": metadata.version("lm_eval"), "device": device,
         "tasks": {t: {**task_results(results, t), "limit": limit, **local.get(t, {})} for t in tasks},
     }  # fmt: skip
     return rundir.record_eval(run_dir, ckpt.step, entry)

@@ -1,7 +1,7 @@
 """Decoding with the harness's own megatron GPT (from a run directory) or with transformers (from
-an export directory): greedy, or sampled with a temperature and top-k. The harness path recomputes
-the whole prefix at every step (no KV cache); both stop at GPT-2's end-of-text token, as
-transformers' generate does. Greedy ids agree between the two; sampled ids are reproducible per
+an export directory): greedy, or sampled with a temperature and top-k. Both keep a KV cache (the
+harness path megatron-core's static inference context: the prompt in one forward, then one token
+per forward); both stop at GPT-2's end-of-text token, as transformers' generate does. Greedy ids agree between the two; sampled ids are reproducible per
 path and seed, but the two paths draw their random numbers differently."""
 
 from __future__ import annotations
@@ -46,12 +46,20 @@ def _next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
 def decode_harness(
     model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, eot: int, sampling: Sampling = GREEDY
 ) -> list[int]:
-    """New token ids from a megatron GPTModel (TP = PP = 1)."""
+    """New token ids from a megatron GPTModel (TP = PP = 1). The query variants compute each
+    token's query from that token alone, so megatron's cache of K and V is all they need."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
     generator = torch.Generator().manual_seed(sampling.seed)
-    ids = list(prompt_ids)
+    cache = StaticInferenceContext(max_batch_size=1, max_sequence_length=len(prompt_ids) + max_new_tokens)
+    ids, cached = list(prompt_ids), 0  # cached: tokens whose K/V the cache holds
     for _ in range(max_new_tokens):
-        tokens = torch.tensor([ids])
-        logits = model(tokens, torch.arange(len(ids)).unsqueeze(0), None)
+        tokens = torch.tensor([ids[cached:]])
+        logits = model(tokens, torch.arange(cached, len(ids)).unsqueeze(0), None, inference_context=cache,
+                       runtime_gather_output=True)  # fmt: skip
+        cache.increment_sequence_len_offset(tokens.shape[1])
+        cache.enable_decode_mode()
+        cached = len(ids)
         ids.append(_next_token(logits[0, -1], sampling, generator))
         if ids[-1] == eot:
             break
