@@ -30,6 +30,10 @@ CASES = [pytest.param(arm, [], id=arm) for arm in arms.names()] + [
     pytest.param(arm, ["model.parametrization=mup", "model.mup_base_hidden_size=16", "model.mup_base_head_dim=8"],
                  id=f"{arm}-mup")
     for arm in (arms.baseline().name, "nonlinear")
+] + [
+    # MoE: megatron's top-k router and experts in the exported modeling code (no stock class fits)
+    pytest.param(arm, ["model.moe.num_experts=4", "model.moe.router_topk=2"], id=f"{arm}-moe")
+    for arm in (arms.baseline().name, "nonlinear")
 ]  # fmt: skip
 
 
@@ -126,6 +130,7 @@ def test_sampling_is_seeded_and_top_1_is_greedy(single_rank):
         (["model.position_embedding=rope", "model.normalization=RMSNorm", "model.num_query_groups=2"], "arcee"),
         (["model.qk_norm=learned"], None),
         (["model.softmax_scale=0.1"], None),
+        (["model.moe.num_experts=4"], None),
     ],
 )
 def test_the_plain_linear_query_uses_a_stock_class_where_one_fits(overrides, stock):
@@ -249,8 +254,9 @@ def val_loss_of_export(out: Path, run_dir: Path) -> float:
         ("preproj", ["parallel.pp=2"]),
         ("preproj", ["train.engine=deepspeed", "train.zero_stage=3"]),
         ("residual", ["train.engine=deepspeed", "train.zero_stage=0", "parallel.tp=2"]),
+        ("nonlinear", ["model.moe.num_experts=4", "parallel.ep=2"]),
     ],
-    ids=["megatron-tp2", "megatron-pp2", "deepspeed-zero3-dp2", "deepspeed-zero0-tp2"],
+    ids=["megatron-tp2", "megatron-pp2", "deepspeed-zero3-dp2", "deepspeed-zero0-tp2", "megatron-moe-ep2"],
 )
 def test_multi_rank_checkpoints_export_to_the_loss_the_ranks_logged(sample_dataset, tmp_path, arm, extra):
     """The ranks' own validation loss at the saved step (their TP/PP/DP model, fp32) is what the

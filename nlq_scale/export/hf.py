@@ -64,6 +64,10 @@ def nlq_state(state: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
         src.module(p + "pre_mlp_layernorm", h + "ln_2", out)
         src.module(p + "mlp.linear_fc1", h + "mlp.up", out)
         src.module(p + "mlp.linear_fc2", h + "mlp.down", out)
+        src.module(p + "mlp.router", h + "mlp.router", out)
+        for e in range(m.moe.num_experts or 0):
+            src.module(f"{p}mlp.experts.local_experts.{e}.linear_fc1", f"{h}mlp.experts.{e}.up", out)
+            src.module(f"{p}mlp.experts.local_experts.{e}.linear_fc2", f"{h}mlp.experts.{e}.down", out)
         src.module(p + "self_attention.linear_proj", h + "attn.o_proj", out)
         src.module(p + "self_attention.q_layernorm", h + "attn.q_norm", out)
         src.module(p + "self_attention.k_layernorm", h + "attn.k_norm", out)
@@ -96,8 +100,9 @@ def _plain_linear_query(m: ModelConfig) -> bool:
 
 
 def stock_class(m: ModelConfig) -> str | None:
-    """"gpt2", "arcee", or None (the exported modeling code)."""
-    if not _plain_linear_query(m):
+    """"gpt2", "arcee", or None (the exported modeling code; MoE models too: no stock class has
+    megatron's non-gated experts)."""
+    if not _plain_linear_query(m) or m.moe.num_experts:
         return None
     if (
         m.position_embedding == "learned_absolute"
@@ -195,7 +200,8 @@ def _nlq(m: ModelConfig, s: dict[str, Tensor]):
         rope_theta=float(m.rotary_base), normalization=m.normalization, norm_bias=m.norm_bias, norm_eps=EPS,
         qk_norm=m.qk_norm, bias=m.add_bias_linear, softmax_scale=softmax_scale(m),
         logits_scale=mup.output_multiplier(m),
-        query=arms.get(m.arm).export_query(m), **_common(m),
+        query=arms.get(m.arm).export_query(m), num_experts=m.moe.num_experts, router_topk=m.moe.router_topk,
+        **_common(m),
     )  # fmt: skip
     return NlqForCausalLM(config), s
 
@@ -206,8 +212,6 @@ BUILDERS = {"gpt2": _gpt2, "arcee": _arcee, None: _nlq}
 def hf_model(state: dict[str, Tensor], m: ModelConfig, stock: bool = True):
     """The transformers model holding these weights (fp32, eval mode); `stock=False`: NlqForCausalLM
     even where a stock class fits (one implementation for every arm, as benchmarks/decode.py wants)."""
-    if m.moe.num_experts:
-        raise UsageError("model.moe: export of MoE models is not supported")
     if arms.get(m.arm).export_query(m) is None:
         raise UsageError(f"model.arm: arm {m.arm} declares no export_query, so it cannot be exported")
     model, weights = BUILDERS[stock_class(m) if stock else None](m, nlq_state(state, m))

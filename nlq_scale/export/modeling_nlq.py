@@ -51,6 +51,8 @@ class NlqConfig(PretrainedConfig):
         softmax_scale: float | None = None,
         logits_scale: float = 1.0,
         query: dict | None = None,
+        num_experts: int | None = None,
+        router_topk: int = 2,
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
         **kwargs,
@@ -74,6 +76,8 @@ class NlqConfig(PretrainedConfig):
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         self.logits_scale = logits_scale  # muP's output multiplier
         self.query = query or {"x": 0.0, "q_proj": True, "q_mlp": None, "pre": None, "skip": False}
+        self.num_experts = num_experts  # None: a dense MLP
+        self.router_topk = router_topk
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
@@ -127,6 +131,28 @@ class MLP(nn.Module):
         if hasattr(self, "head_norm_gain"):
             return self.head_norm_gain * head_rms(y, self.heads, self.eps)
         return y if self.norm_out is None else self.norm_out(y)
+
+
+class MoE(nn.Module):
+    """Megatron-core's dropless top-k MoE as the harness configures it: the router's top-k logits per
+    token, a softmax over those k only, and the experts' outputs summed with those weights."""
+
+    def __init__(self, config: NlqConfig) -> None:
+        super().__init__()
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config, config.intermediate_size) for _ in range(config.num_experts))
+        self.topk = config.router_topk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        top, chosen = self.router(flat).topk(self.topk, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(flat)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel():
+                out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        return out.view_as(x)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +229,7 @@ class Block(nn.Module):
         self.ln_1 = _norm(config, config.hidden_size)
         self.attn = Attention(config, layer_idx)
         self.ln_2 = _norm(config, config.hidden_size)
-        self.mlp = MLP(config, config.intermediate_size)
+        self.mlp = MoE(config) if config.num_experts else MLP(config, config.intermediate_size)
 
     def forward(self, x, rope, mask, cache):
         x = x + self.attn(self.ln_1(x), rope, mask, cache)
