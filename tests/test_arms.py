@@ -268,15 +268,17 @@ def test_checkpoint_round_trip_gives_identical_logits(single_rank, arm, tmp_path
 
 @pytest.mark.slow
 def test_tp2_and_pp2_give_the_tp1_loss(tmp_path):
-    """Reference weights through megatron's pipeline schedule at TP=2 and PP=2 vs TP=1, for every
-    arm and two variants (TP=1 equals the reference by test_logits_equal_the_reference)."""
+    """Reference weights through megatron's pipeline schedule at TP=2 (with and without sequence
+    parallelism) and PP=2 vs TP=1, for every arm and two variants (TP=1 equals the reference by
+    test_logits_equal_the_reference)."""
     cases = [*arms.names()] + [
         "|".join([arm, *VARIANTS[variant]]) for arm, variant in (("nonlinear", "nobias-rmsqk"), ("identity", "learnedqk-rope-gqa"))
     ]
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):
-        run_ranks("layout_loss.py", tp * pp, str(tp), str(pp), str(tmp_path / f"{tp}x{pp}.json"), *cases)
+    for tp, pp, sp in ((1, 1, "-"), (2, 1, "-"), (2, 1, "sp"), (1, 2, "-")):
+        out = tmp_path / f"{tp}x{pp}{sp}.json"
+        run_ranks("layout_loss.py", tp * pp, str(tp), str(pp), sp, str(out), *cases)
     losses = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
-    base = losses.pop("1x1")
+    base = losses.pop("1x1-")
     for layout, per_case in losses.items():
         for case in cases:
             assert abs(per_case[case] - base[case]) <= 1e-5 * base[case], (layout, case, per_case[case], base[case])

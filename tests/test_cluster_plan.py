@@ -7,6 +7,7 @@ import json
 import pytest
 import yaml
 
+from nlq_scale import arms
 from nlq_scale.cluster.plan import GB, load_cluster, memory_per_device, one_device_layout, plan_run, plan_sweep
 from nlq_scale.cluster.sweep import load_sweep
 from nlq_scale.config.load import load_run_config
@@ -54,18 +55,40 @@ def test_175b_on_80gb_gpus_needs_tp8_and_pp_at_least_8(recompute):
 
 def test_sequence_parallelism_only_where_the_config_allows_it():
     cluster = load_cluster("example-8x80gb")
-    lin = plan("13b", cluster, sequence_parallel=True)
-    assert lin.layout.tp > 1 and lin.layout.sequence_parallel
-    cfg = load_run_config("13b", "nonlinear")  # the schema refuses SP for the query arms (for now)
-    nl = plan_run(cfg, cluster, run_id="x", scale="13b", arm="nonlinear", sequence_parallel=True)
-    assert nl.layout.tp > 1 and not nl.layout.sequence_parallel
+    for arm in arms.names():
+        run = plan_run(load_run_config("13b", arm), cluster, run_id="x", scale="13b", arm=arm, sequence_parallel=True)
+        assert run.layout.tp > 1 and run.layout.sequence_parallel, arm
+    cfg = load_run_config("13b", "nonlinear", overrides=["train.engine=deepspeed"])  # DeepSpeed refuses SP
+    ds = plan_run(cfg, cluster, run_id="x", scale="13b", arm="nonlinear", sequence_parallel=True)
+    assert ds.layout.tp > 1 and not ds.layout.sequence_parallel
     assert not plan("124m", cluster, sequence_parallel=True).layout.sequence_parallel  # tp = 1
 
 
+def test_the_planner_turns_sequence_parallelism_on_where_a_layout_fits_only_with_it():
+    """None (a sweep's default): off where the layout fits without it, on (before recompute_query
+    and before halving the micro-batch) where it fits only with it; False never."""
+    cluster = load_cluster("example-8x80gb")
+    cfg = load_run_config("13b", "nonlinear")
+    pinned = dict(fixed_tp=4, fixed_pp=1, fixed_micro_batch=True, recompute_query=False)
+    without = plan_run(cfg, cluster, run_id="x", scale="13b", arm="nonlinear", sequence_parallel=False, **pinned)
+    with_sp = plan_run(cfg, cluster, run_id="x", scale="13b", arm="nonlinear", sequence_parallel=True, **pinned)
+    assert with_sp.memory.total < without.memory.total
+    between = (with_sp.memory.total + without.memory.total) / 2
+    sized = cluster.model_copy(update={"memory_headroom": 1.0, "overhead_gb": 0.0,
+                                       "gpu_memory_gb": between / GB})  # fmt: skip
+    chosen = plan_run(cfg, sized, run_id="x", scale="13b", arm="nonlinear", **pinned)
+    assert chosen.fits and chosen.layout.sequence_parallel
+    assert not plan_run(cfg, sized, run_id="x", scale="13b", arm="nonlinear", sequence_parallel=False, **pinned).fits
+    roomy = plan_run(cfg, cluster, run_id="x", scale="13b", arm="nonlinear", fixed_tp=4, fixed_pp=1)
+    assert roomy.fits and not roomy.layout.sequence_parallel
+
+
 def test_175b_in_fp32_without_recompute_cannot_fit_any_pipeline():
-    """The first stage keeps L layers of activations in flight whatever pp is (1F1B): ~72 GB here."""
-    p = plan("175b", load_cluster("example-8x80gb"), "model.bf16=false")
+    """The first stage keeps L layers of activations in flight whatever pp is (1F1B): ~72 GB here,
+    unless sequence parallelism splits them over TP (the planner turns it on)."""
+    p = plan("175b", load_cluster("example-8x80gb"), "model.bf16=false", sequence_parallel=False)
     assert not p.fits and p.memory.activations > 65 * GB and "needs" in p.reason
+    assert plan("175b", load_cluster("example-8x80gb"), "model.bf16=false").layout.sequence_parallel
 
 
 def test_gpu_scales_are_priced_in_bf16_and_learn_the_cluster_device():

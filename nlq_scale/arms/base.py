@@ -114,7 +114,9 @@ class Arm(ABC):
     fused_qkv: ClassVar[bool]
     # The query is added to or replaces the residual stream, so heads x head_dim must equal d.
     query_is_hidden_width: ClassVar[bool] = False
-    # Megatron sequence parallelism works (norms over the full hidden vector inside the query path do not).
+    # Megatron sequence parallelism works: the query module takes this rank's sequence shard and
+    # returns its heads over the whole sequence (model.query.to_local_heads), marking its norms
+    # (model.query.on_sequence_shard).
     sequence_parallel: ClassVar[bool] = False
     # False where megatron's Transformer Engine spec cannot express the arm (e.g. TE fuses the block's
     # input norm into linear_qkv, so an arm that reshapes x between that norm and Q/K/V cannot use it).

@@ -11,6 +11,7 @@ class Identity(Arm):
     summary = "q = x (no query weights)"
     nanogpt_mode = "identity"  # their scale is halved too
     fused_qkv = False
+    sequence_parallel = True
     query_is_hidden_width = True
 
     def softmax_scale(self, m):

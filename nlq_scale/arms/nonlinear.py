@@ -31,27 +31,28 @@ class NonlinearQueryConfig(QueryMLPOptions):
 def _modules():
     """The megatron and reference query modules (torch is imported only when a model is built)."""
     import torch
-    from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
     from megatron.core.transformer.module import MegatronModule
 
-    from nlq_scale.model.query import ParallelMLP
+    from nlq_scale.model.query import ParallelMLP, on_sequence_shard, to_local_heads
     from nlq_scale.model.reference import MLP
 
     class NonlinearQuery(MegatronModule):
-        """Norms on the full hidden vector on every rank, f's W1/W2 split over TP (W2 all-reduces),
-        then the query is scattered to this rank's heads."""
+        """Norms on the full hidden vector of each token (every rank, or this rank's sequence
+        shard), f's W1/W2 split over TP, then the query goes to this rank's heads."""
 
         def __init__(self, config, width, activation, mix, norm_bias, tp_group=None, **_unused):
             super().__init__(config=config)
             d, eps = config.hidden_size, config.layernorm_epsilon
             self.mix = mix
-            self.norm_in = torch.nn.RMSNorm(d, eps=eps, dtype=config.params_dtype)
+            self.norm_in = on_sequence_shard(torch.nn.RMSNorm(d, eps=eps, dtype=config.params_dtype), config)
             self.f = ParallelMLP(config, width, activation, tp_group)
-            self.norm_out = torch.nn.LayerNorm(d, eps=eps, bias=norm_bias, dtype=config.params_dtype)
+            self.norm_out = on_sequence_shard(
+                torch.nn.LayerNorm(d, eps=eps, bias=norm_bias, dtype=config.params_dtype), config
+            )
 
         def forward(self, x):
             q = self.mix * x + (1.0 - self.mix) * self.norm_out(self.f(self.norm_in(x)))
-            return scatter_to_tensor_model_parallel_region(q)
+            return to_local_heads(q, self.config)
 
     class ReferenceNonlinearQuery(torch.nn.Module):
         def __init__(self, d, width, activation, mix, bias, norm_bias, eps):
@@ -74,6 +75,7 @@ class Nonlinear(MLPArm):
     options_key = "nlq"
     nanogpt_mode = "residual_gelu"  # their x + LN(f(x)) at half scale is this at mix 1/2
     fused_qkv = False
+    sequence_parallel = True
     query_is_hidden_width = True
 
     def query_params(self, m):

@@ -33,10 +33,9 @@ class PerHeadNonlinearQueryConfig(QueryMLPOptions):
 def _modules():
     """The megatron and reference query modules (torch is imported only when a model is built)."""
     import torch
-    from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
     from megatron.core.transformer.module import MegatronModule
 
-    from nlq_scale.model.query import ParallelMLP
+    from nlq_scale.model.query import ParallelMLP, on_sequence_shard, to_local_heads
     from nlq_scale.model.reference import MLP
 
     def head_rms(t, heads: int, eps: float):
@@ -45,20 +44,22 @@ def _modules():
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
 
     class PerHeadNonlinearQuery(MegatronModule):
-        """The whole query on the full hidden vector on every rank (the RMSNorm and the gain are
-        replicated, f's W1/W2 split over TP with W2 all-reducing), then scattered to this rank's heads."""
+        """The whole query on the full hidden vector of each token, every rank or this rank's
+        sequence shard (the RMSNorm and the gain replicated, f's W1/W2 split over TP), then sent to
+        this rank's heads."""
 
         def __init__(self, config, width, activation, tp_group=None, **_unused):
             super().__init__(config=config)
             d = config.hidden_size
             self.heads, self.eps = config.num_attention_heads, config.layernorm_epsilon
-            self.norm_in = torch.nn.RMSNorm(d, eps=self.eps, dtype=config.params_dtype)
+            self.norm_in = on_sequence_shard(torch.nn.RMSNorm(d, eps=self.eps, dtype=config.params_dtype), config)
             self.f = ParallelMLP(config, width, activation, tp_group)
             self.head_norm_gain = torch.nn.Parameter(torch.ones(d, dtype=config.params_dtype))
+            self.head_norm_gain.sequence_parallel = config.sequence_parallel  # see on_sequence_shard
 
         def forward(self, x):
             correction = self.head_norm_gain * head_rms(self.f(self.norm_in(x)), self.heads, self.eps)
-            return scatter_to_tensor_model_parallel_region(head_rms(x, self.heads, self.eps) + correction)
+            return to_local_heads(head_rms(x, self.heads, self.eps) + correction, self.config)
 
     class ReferencePerHeadNonlinearQuery(torch.nn.Module):
         def __init__(self, d, heads, width, activation, bias, eps):
@@ -81,6 +82,7 @@ class PerHeadNonlinear(MLPArm):
     options = PerHeadNonlinearQueryConfig
     options_key = "nlq_ph"
     fused_qkv = False
+    sequence_parallel = True
     query_is_hidden_width = True
 
     def query_params(self, m):

@@ -36,7 +36,7 @@ def _modules():
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.utils import init_method_normal
 
-    from nlq_scale.model.query import ParallelMLP, recomputed
+    from nlq_scale.model.query import ParallelMLP, on_sequence_shard, recomputed, to_local_heads
     from nlq_scale.model.reference import MLP
 
     @dataclass
@@ -49,11 +49,14 @@ def _modules():
         def __init__(self, config, submodules, layer_number, **kwargs):
             super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
             d, tp_group = config.hidden_size, self.pg_collection.tp
-            self.pre_norm = torch.nn.RMSNorm(d, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+            norm = torch.nn.RMSNorm(d, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+            self.pre_norm = on_sequence_shard(norm, config)
             self.pre = ParallelMLP(config, submodules.width, submodules.activation, tp_group)
+            # Its input is split over the hidden dim by to_local_heads (under sequence parallelism
+            # from this rank's sequence shard), its output all-reduced (or reduce-scattered).
             self.w_skip = RowParallelLinear(
                 d, d, config=config, init_method=init_method_normal(submodules.skip_init_std),
-                bias=config.add_bias_linear, input_is_parallel=False, skip_bias_add=False, is_expert=False,
+                bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=False, is_expert=False,
                 tp_group=tp_group,
             )
 
@@ -63,7 +66,7 @@ def _modules():
         def forward(self, hidden_states, *args, **kwargs):
             content = hidden_states + recomputed(self.pre_mlp, hidden_states, self.config.recompute_query)
             output, bias = super().forward(content, *args, **kwargs)
-            skip, _ = self.w_skip(content)
+            skip, _ = self.w_skip(to_local_heads(content, self.config))
             return output + skip, bias
 
     class ReferencePreprojQuery(torch.nn.Module):
@@ -96,6 +99,7 @@ class Preproj(MLPArm):
     options = PreprojConfig
     options_key = "preproj"
     fused_qkv = True
+    sequence_parallel = True
     # Its MLP acts on the normalised input before Q/K/V; TE normalises inside linear_qkv.
     transformer_engine = False
 

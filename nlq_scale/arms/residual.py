@@ -11,12 +11,14 @@ from nlq_scale.arms.base import Arm, export_recipe, inverse_sqrt_head_dim, linea
 def _modules():
     """The megatron and reference query modules (torch is imported only when a model is built)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
-    from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
     from megatron.core.transformer.module import MegatronModule
     from torch import nn
 
+    from nlq_scale.model.query import to_local_heads
+
     class ResidualQuery(MegatronModule):
-        """x + x W_Q: W_Q column-parallel over heads, x scattered to this rank's heads."""
+        """x + x W_Q: W_Q column-parallel over heads (gathering the sequence under sequence
+        parallelism), x sent to this rank's heads."""
 
         def __init__(self, config, tp_group=None, **_unused):
             super().__init__(config=config)
@@ -28,7 +30,7 @@ def _modules():
 
         def forward(self, x):
             q, _ = self.linear_q(x)
-            return scatter_to_tensor_model_parallel_region(x) + q
+            return to_local_heads(x, self.config) + q
 
     class ReferenceResidualQuery(nn.Module):
         def __init__(self, d, bias):
@@ -46,6 +48,7 @@ class Residual(Arm):
     summary = "q = x + x W_Q"
     nanogpt_mode = "residual"
     fused_qkv = False
+    sequence_parallel = True
     query_is_hidden_width = True
 
     def softmax_scale(self, m):

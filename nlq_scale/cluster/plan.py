@@ -322,11 +322,13 @@ def plan_run(
     fixed_tp: int | None = None,
     fixed_pp: int | None = None,
     fixed_micro_batch: bool = False,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | None = None,
     recompute_query: bool | None = None,
 ) -> RunPlan:
     """The first layout (smallest model parallelism, then largest micro-batch) whose memory fits.
-    sequence_parallel: use it wherever tp > 1 and the config accepts it (the schema knows which arms can).
+    sequence_parallel: True uses it wherever tp > 1 and the config accepts it (the schema knows
+    which arms and engines can); None lets the planner turn it on where a tp > 1 layout fits only
+    with it, before recompute_query (it moves no more data than the all-reduces it replaces).
     recompute_query: None lets the planner turn it on where the arm has a query MLP and a layout
     fits only with it, before halving the micro-batch (it costs one extra forward of that MLP)."""
     if nodes is not None and nodes > cluster.nodes:
@@ -340,11 +342,12 @@ def plan_run(
         if world % (tp * pp):
             continue
         dp = world // (tp * pp)
-        sp = sequence_parallel and tp > 1 and _accepts(cfg, tp=tp, pp=pp, sequence_parallel=True)
+        sp_choices = _sequence_parallel_choices(cfg, sequence_parallel, tp, pp)
         mbs = cfg.train.micro_batch_size
         while mbs >= 1:
             divides = cfg.train.global_batch_size % (mbs * dp) == 0
-            for rq in _recompute_query_choices(cfg, recompute_query) if divides else []:
+            choices = [(sp, rq) for rq in _recompute_query_choices(cfg, recompute_query) for sp in sp_choices]
+            for sp, rq in choices if divides else []:
                 layout = Layout(
                     n, cluster.gpus_per_node, tp, pp, dp, mbs, cfg.train.global_batch_size // (mbs * dp),
                     cfg.parallel.recompute, sp, rq,
@@ -365,6 +368,16 @@ def plan_run(
         f"mbs={layout.micro_batch_size}), cluster {cluster.name} has {cluster.usable_bytes / GB:.1f} usable"
     )
     return _plan(cfg, cluster, run_id, scale, arm, layout, mem, False, reason)
+
+
+def _sequence_parallel_choices(cfg: RunConfig, requested: bool | None, tp: int, pp: int) -> list[bool]:
+    """sequence_parallel settings to try at this tp x pp, in order: off where it cannot run (tp = 1,
+    an engine or arm that refuses it), the requested one, the config's own, else off then on."""
+    if tp == 1 or not _accepts(cfg, tp=tp, pp=pp, sequence_parallel=True):
+        return [False]
+    if requested is not None:
+        return [requested]
+    return [True] if cfg.parallel.sequence_parallel else [False, True]
 
 
 def _recompute_query_choices(cfg: RunConfig, requested: bool | None) -> list[bool]:

@@ -113,7 +113,8 @@ class ParallelPrefs(Strict):
     )
     recompute: Literal["none", "selective", "full"] | None = Field(None, description="activation recompute")
     recompute_query: bool | None = Field(None, description="recompute the query MLP in backward (parallel.recompute_query)")
-    sequence_parallel: bool = Field(False, description="use it in layouts with tp > 1 where the config allows it")
+    sequence_parallel: bool | None = Field(None, description="use it in layouts with tp > 1 where the config "
+                                           "allows it; None = where a layout fits only with it")
     distributed_optimizer: bool | None = Field(None, description="megatron engine: shard optimizer state over DP")
     zero_stage: int | None = Field(None, ge=0, le=3, description="deepspeed engine: ZeRO stage")
     micro_batch_size: PositiveInt | None = Field(None, description="None = the scale's, halved until it fits")

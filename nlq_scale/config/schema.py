@@ -152,7 +152,7 @@ class ParallelConfig(Strict):
     tp: PositiveInt = Field(1, description="tensor-parallel size")
     pp: PositiveInt = Field(1, description="pipeline-parallel size")
     ep: PositiveInt = Field(1, description="expert-parallel size (MoE)")
-    sequence_parallel: bool = Field(False, description="megatron sequence parallelism (needs tp > 1; linear arm)")
+    sequence_parallel: bool = Field(False, description="megatron sequence parallelism (needs tp > 1)")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="activation recomputation (megatron recompute_granularity); the planner assumes it"
     )
@@ -323,13 +323,18 @@ class RunConfig(Strict):
             raise ValueError(f"parallel.ep ({p.ep}) must divide model.moe.num_experts ({m.moe.num_experts})")
         if p.sequence_parallel and (p.tp == 1 or not arms.get(m.arm).sequence_parallel):
             raise ValueError(
-                f"parallel.sequence_parallel needs tp > 1 and an arm that supports it (not {m.arm}: norms over "
-                "the full hidden vector in its query path are not sequence-parallel)"
+                f"parallel.sequence_parallel needs tp > 1 and an arm whose query path supports it (not {m.arm}: "
+                "its Arm.sequence_parallel is False)"
             )
         if self.runtime.check_device and self.runtime.device == "cuda":
             raise ValueError("runtime.check_device emulates a GPU on the CPU: it needs runtime.device cpu or auto")
         if self.train.engine == "deepspeed" and p.pp > 1:
             raise ValueError("train.engine=deepspeed supports parallel.pp=1 only (use the megatron engine for PP)")
+        if self.train.engine == "deepspeed" and p.ep > 1:
+            raise ValueError("parallel.ep: must be 1 with train.engine=deepspeed (it cannot reduce megatron expert grads)")
+        if self.train.engine == "deepspeed" and p.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel: unsupported with train.engine=deepspeed "
+                             "(norm grads need megatron's TP reduction)")  # fmt: skip
         if self.train.global_batch_size % self.train.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size ({self.train.global_batch_size}) not divisible by "

@@ -110,12 +110,18 @@ def _stock_spec(m: ModelConfig) -> ModuleSpec:
     attention = spec.submodules.self_attention.submodules
     if m.qk_norm == "rms":
         attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
-    if not m.norm_bias:
-        norm = ModuleSpec(module=BlockNorm, params={"bias": False})
+    if _block_norms_are_ours(m):
+        norm = ModuleSpec(module=BlockNorm, params={"bias": m.norm_bias})
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
         if learned:
             attention.q_layernorm = attention.k_layernorm = norm
     return spec
+
+
+def _block_norms_are_ours(m: ModelConfig) -> bool:
+    """The local backend's norms are always BlockNorm (megatron's torch norm refuses sequence
+    parallelism; the same torch modules otherwise); TE's only where it has no bias-free LayerNorm."""
+    return m.transformer_impl != "transformer_engine" or not m.norm_bias
 
 
 def _kv_linear_and_norm(m: ModelConfig):
@@ -141,13 +147,13 @@ def layer_spec(m: ModelConfig) -> ModuleSpec:
 
 
 def block_spec(m: ModelConfig, config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
-    """This pipeline stage's layers, plus a bias-free final norm with model.norm_bias=false."""
+    """This pipeline stage's layers, and the final norm: ours where the layers' norms are."""
     spec = layer_spec(m)
-    if m.norm_bias:
+    if not _block_norms_are_ours(m):
         return spec
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config),
-        layer_norm=ModuleSpec(module=BlockNorm, params={"bias": False}),
+        layer_norm=ModuleSpec(module=BlockNorm, params={"bias": m.norm_bias}),
     )
 
 

@@ -22,9 +22,13 @@ class HeadRMSNorm(nn.Module):
 
 class BlockNorm:
     """megatron's norm builder interface (config, hidden_size, eps) for torch norms with an optional
-    LayerNorm bias; a ModuleSpec passes `bias`."""
+    LayerNorm bias (a ModuleSpec passes `bias`). Unlike megatron's own torch norm it allows sequence
+    parallelism: its parameters are marked so that megatron sums their gradients over the
+    tensor-parallel group (each rank normalises only its sequence shard)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, bias: bool = True, **_unused) -> nn.Module:
+        from nlq_scale.model.query import on_sequence_shard
+
         if config.normalization == "RMSNorm":
-            return nn.RMSNorm(hidden_size, eps=eps)
-        return nn.LayerNorm(hidden_size, eps=eps, bias=bias)
+            return on_sequence_shard(nn.RMSNorm(hidden_size, eps=eps), config)
+        return on_sequence_shard(nn.LayerNorm(hidden_size, eps=eps, bias=bias), config)

@@ -1,9 +1,14 @@
 """Building blocks of the arms' query paths, as megatron-core modules (tensor-parallel aware).
 
-A query module maps the attention input x [s, b, d] (replicated across tensor-parallel ranks) to this
-rank's slice of the query, [s, b, heads_per_rank * head_dim]. Norms run on the full hidden vector
-on every rank; the last step scatters the full query to the local heads, whose backward gathers
-the gradient so that replicated norm weights receive complete, identical gradients on every rank.
+A query module maps the attention input x to this rank's slice of the query, [s, b, heads_per_rank *
+head_dim]. Without sequence parallelism x is [s, b, d] on every tensor-parallel rank: norms run on
+the full hidden vector on every rank and the last step scatters the full query to the local heads,
+whose backward gathers the gradient so that replicated norm weights receive complete, identical
+gradients on every rank. With it x is this rank's sequence shard [s/t, b, d]: the norms run on the
+shard (their parameters marked `sequence_parallel`, so megatron sums their gradients over the
+tensor-parallel group), the column-parallel W1 gathers the sequence and the row-parallel W2
+reduce-scatters it back, and one all-to-all turns the query shard into the local heads of the
+whole sequence.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from typing import Callable
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
+from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron.core.tensor_parallel.mappings import all_to_all_sp2hp, scatter_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
@@ -36,6 +42,25 @@ def relu2(x: Tensor) -> Tensor:
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "relu2": relu2, "silu": F.silu}
 
 
+def to_local_heads(q: Tensor, config: TransformerConfig) -> Tensor:
+    """A full-width query ([s, b, d] on every rank, or this rank's sequence shard [s/t, b, d] under
+    sequence parallelism) as this rank's heads over the whole sequence, [s, b, d/t]."""
+    if not config.sequence_parallel:
+        return scatter_to_tensor_model_parallel_region(q)
+    t = get_tensor_model_parallel_world_size()
+    shard, batch, width = q.shape
+    return all_to_all_sp2hp(q).view(shard * t, batch, width // t)  # rank i holds positions i*s/t...
+
+
+def on_sequence_shard(module: torch.nn.Module, config: TransformerConfig) -> torch.nn.Module:
+    """Marks a module whose parameters act on the full hidden vector of each token (norms, gains):
+    under sequence parallelism each rank sees only its tokens, so megatron's finalize_model_grads
+    must sum their gradients over the tensor-parallel group."""
+    for param in module.parameters():
+        param.sequence_parallel = config.sequence_parallel
+    return module
+
+
 class ScatterToHeads(MegatronModule):
     """The query is the layer input itself, split to this rank's heads."""
 
@@ -43,12 +68,13 @@ class ScatterToHeads(MegatronModule):
         super().__init__(config=config)
 
     def forward(self, x: Tensor) -> Tensor:
-        return scatter_to_tensor_model_parallel_region(x)
+        return to_local_heads(x, self.config)
 
 
 class ParallelMLP(MegatronModule):
     """down(act(up(x))) with up: d -> width column-parallel and down: width -> d row-parallel
-    (all-reduced, so the output is the full vector on every rank)."""
+    (all-reduced, so the output is the full vector on every rank; under sequence parallelism up
+    gathers the sequence and down reduce-scatters it, so the output is x's shard)."""
 
     def __init__(self, config: TransformerConfig, width: int, activation: str, tp_group=None) -> None:
         super().__init__(config=config)

@@ -170,21 +170,10 @@ def universal_checkpoint_info(model: torch.nn.Module) -> dict:
     }
 
 
-def _check_supported(cfg: RunConfig) -> None:
-    p = cfg.parallel
-    if p.ep > 1:
-        raise UsageError("parallel.ep: must be 1 with train.engine=deepspeed (it cannot reduce megatron expert grads)")
-    if p.sequence_parallel:
-        raise UsageError(
-            "parallel.sequence_parallel: unsupported with train.engine=deepspeed (norm grads need megatron's TP reduction)"
-        )
-
-
 class DeepSpeedEngine:
     name = "deepspeed"
 
     def __init__(self, cfg: RunConfig, device: Device) -> None:
-        _check_supported(cfg)
         self.cfg, self.device = cfg, device
         self.sharding = _Sharding(
             dp=ps.get_data_parallel_world_size(),

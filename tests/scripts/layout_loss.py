@@ -1,6 +1,7 @@
-"""Rank script: the loss of reference weights loaded into a megatron GPT at a TP x PP layout,
-through megatron's pipeline schedule, for each case. Usage: layout_loss.py TP PP OUT CASE...
-where a CASE is a model.arm, optionally with overrides: `nonlinear|model.qk_norm=rms|...`."""
+"""Rank script: the loss of reference weights loaded into a megatron GPT at a TP x PP layout (with
+sequence parallelism when SP is `sp`), through megatron's pipeline schedule, for each case.
+Usage: layout_loss.py TP PP SP OUT CASE... where SP is `sp` or `-` and a CASE is a model.arm,
+optionally with overrides: `nonlinear|model.qk_norm=rms|...`."""
 
 import json
 import os
@@ -21,9 +22,9 @@ from nlq_scale.train.engine_common import lm_loss, reduce_last_stage_mean
 from tests.conftest import TINY_MODEL
 
 
-def arm_loss(case: str, tp: str, pp: str) -> float:
+def arm_loss(case: str, tp: str, pp: str, sp: str) -> float:
     arm, *extra = case.split("|")
-    layout = [f"parallel.tp={tp}", f"parallel.pp={pp}"]
+    layout = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.sequence_parallel={sp == 'sp'}"]
     cfg = load_run_config("124m", overrides=TINY_MODEL + [f"model.arm={arm}", *extra, *layout])
     model_parallel_cuda_manual_seed(7)
     model = build_gpt(cfg.model, cfg.parallel, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
@@ -55,9 +56,9 @@ def arm_loss(case: str, tp: str, pp: str) -> float:
     return reduce_last_stage_mean(losses, Device(torch.device("cpu")))
 
 
-def main(tp: str, pp: str, out: str, *cases: str) -> None:
+def main(tp: str, pp: str, sp: str, out: str, *cases: str) -> None:
     with distributed(ParallelConfig(tp=int(tp), pp=int(pp))):
-        losses = {case: arm_loss(case, tp, pp) for case in cases}
+        losses = {case: arm_loss(case, tp, pp, sp) for case in cases}
     if int(os.environ["RANK"]) == 0:
         with open(out, "w") as f:
             json.dump(losses, f)
