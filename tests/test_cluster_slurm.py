@@ -214,14 +214,19 @@ def prepared_data(tmp_path_factory):
     return prepare_text_dataset(tmp_path_factory.mktemp("data"))
 
 
-@pytest.fixture
-def one_arm_sweep(tmp_path) -> Path:
+def edited_sweep(path: Path, **edit) -> Path:
     import yaml
 
-    sweep = yaml.safe_load(TEST_SWEEP.read_text()) | {"arms": ["linear"]}
-    path = tmp_path / "one-arm.yaml"
-    path.write_text(yaml.safe_dump(sweep))
+    path.write_text(yaml.safe_dump(yaml.safe_load(TEST_SWEEP.read_text()) | edit))
     return path
+
+
+@pytest.fixture
+def one_arm_sweep(tmp_path) -> Path:
+    return edited_sweep(tmp_path / "one-arm.yaml", arms=["linear"])
+
+
+EVAL = {"tasks": ["nlq_cloze"], "limit": 4}
 
 
 def submit_real(root: Path, *overrides: str, sweep: Path = TEST_SWEEP) -> dict:
@@ -249,9 +254,12 @@ def test_real_two_arm_sweep_then_resubmit_submits_nothing(slurm_cluster, prepare
 
 
 def test_real_preemption_resumes_to_the_uninterrupted_loss(slurm_cluster, prepared_data, tmp_path, one_arm_sweep):
+    """...and its evaluation job (sweep key `eval`, afterok on the training job) waits through the
+    requeue and scores the completed run."""
     overrides = (f"data.path={prepared_data}", "train.steps=30", "checkpoint.every=0")
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
-    (run,) = submit_real(interrupted, *overrides, sweep=one_arm_sweep)["runs"]
+    evaluated = edited_sweep(tmp_path / "evaluated.yaml", arms=["linear"], eval=EVAL)
+    (run,) = submit_real(interrupted, *overrides, sweep=evaluated)["runs"]
     run_dir = Path(run["run_dir"])
     wait_step(run_dir, 8, timeout=600)
     preempt_with_urgent_job()
@@ -266,17 +274,37 @@ def test_real_preemption_resumes_to_the_uninterrupted_loss(slurm_cluster, prepar
         return [e["val/loss"] for e in events(d) if "val/loss" in e][-1]
 
     assert final_val(run_dir) == final_val(ref_dir)
+    (entry,) = wait_eval(run_dir, run["eval_job_id"]).values()
+    assert entry["step"] == 30 and entry["tasks"]["nlq_cloze"]["n"] == EVAL["limit"]
 
 
-def test_real_failing_run_shows_failed(slurm_cluster, prepared_data, tmp_path, one_arm_sweep):
+def wait_eval(run_dir: Path, job_id: str, timeout: float = 300) -> dict:
+    deadline = time.time() + timeout
+    while not (run_dir / "eval.json").exists():
+        assert job_id in queued_jobs() or (run_dir / "eval.json").exists(), f"evaluation job {job_id} ended, no eval.json"
+        assert time.time() < deadline, f"evaluation job {job_id} still queued after {timeout} s"
+        time.sleep(1)
+    return json.loads((run_dir / "eval.json").read_text())
+
+
+def test_real_failing_run_shows_failed_and_is_never_evaluated(slurm_cluster, prepared_data, tmp_path):
     root = tmp_path / "runs"
     # The Transformer Engine layer spec cannot be built on this CPU-only machine: the run raises.
     doc = submit_real(root, f"data.path={prepared_data}", "model.transformer_impl=transformer_engine",
-                      sweep=one_arm_sweep)
-    (run_dir,) = [Path(r["run_dir"]) for r in doc["runs"]]
+                      sweep=edited_sweep(tmp_path / "evaluated.yaml", arms=["linear"], eval=EVAL))
+    (run,) = doc["runs"]
+    run_dir = Path(run["run_dir"])
     assert wait_done([run_dir], timeout=600)[run_dir] == "failed"
     (row,) = json.loads(nlq("status", str(root), "--json").stdout)["runs"]
     assert row["state"] == "failed" and row["error"], row
+    # slurmctld marks the dependency at its next scheduling pass; "": a cluster with kill_invalid_depend removed it.
+    deadline, reason = time.time() + 60, "Dependency"
+    while reason not in ("DependencyNeverSatisfied", ""):
+        assert reason == "Dependency" and time.time() < deadline, reason
+        time.sleep(1)
+        reason = subprocess.run(["squeue", "-h", "-j", run["eval_job_id"], "-o", "%r"], capture_output=True,
+                                text=True, timeout=60).stdout.strip()  # fmt: skip
+    assert not (run_dir / "eval.json").exists()
 
 
 def test_proxy_lr_search_submits_its_targets_from_a_follow_up_job(slurm_cluster, prepared_data, tmp_path):
