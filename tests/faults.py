@@ -1,10 +1,13 @@
 """Fault injection for tests. Production code carries no test hooks: a fault enters by replacing
-the loss function the engines imported (`engine_common.lm_loss_and_sequences`) for as long as a test says."""
+the loss function the engines imported (`engine_common.lm_loss_and_sequences`) for as long as a test
+says, or an engine's methods for the rest of the process."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import signal
 from collections.abc import Iterator
 from unittest import mock
 
@@ -53,3 +56,27 @@ def nan_loss_at_train_step(step: int) -> None:
 
     for engine in (MegatronEngine, DeepSpeedEngine):
         engine.train_step = wrap(engine.train_step)
+
+
+def crash_during_background_save(nth: int) -> None:
+    """From now on in this process, the megatron engine's `nth` background checkpoint save ends the
+    process group (SIGKILL, as a scheduler ends a job) at the first step that asks whether it is
+    written: its writer started, nothing finalized."""
+    from nlq_scale.train.engine_megatron import MegatronEngine
+
+    save, save_written = MegatronEngine.save, MegatronEngine.save_written
+    started = 0
+
+    @functools.wraps(save)
+    def counted_save(self, ckpt_dir, background=False):
+        nonlocal started
+        started += background
+        return save(self, ckpt_dir, background)
+
+    @functools.wraps(save_written)
+    def crashing_save_written(self, blocking):
+        if started == nth:
+            os.killpg(0, signal.SIGKILL)
+        return save_written(self, blocking)
+
+    MegatronEngine.save, MegatronEngine.save_written = counted_save, crashing_save_written

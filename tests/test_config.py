@@ -34,6 +34,7 @@ def test_override_values_are_yaml_scalars():
         (["parallel.pp=5"], "num_layers (12) not divisible by parallel.pp"),
         (["model.kv_channels=32"], "query width == hidden_size"),
         (["train.warmup_steps=5000", "train.steps=10"], "warmup_steps"),
+        (["checkpoint.async_save=true", "train.engine=deepspeed"], "checkpoint.async_save needs train.engine=megatron"),
         (["bad"], "expected key.path=value"),
     ],
 )

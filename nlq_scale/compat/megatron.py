@@ -1,6 +1,6 @@
-"""megatron-core internals: the CPU shim's patch points and the mends for the torch-Adam fallback
-of the distributed optimizer (runtime/cpu_shim.py, train/engine_megatron.py,
-train/engine_deepspeed.py go through here)."""
+"""megatron-core internals: the CPU shim's patch points, the mends for the torch-Adam fallback
+of the distributed optimizer, and the writer processes of background saves (runtime/cpu_shim.py,
+train/engine_megatron.py, train/engine_deepspeed.py go through here)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ _RANDOM = "megatron.core.tensor_parallel.random"
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 _DISTRIB = "megatron.core.optimizer.distrib_optimizer"
 _BUFFER = "megatron.core.distributed.param_and_grad_buffer"
+_ASYNC = "megatron.core.dist_checkpointing.strategies.async_utils"
 
 RELIES_ON = (
     Private(_RANDOM, "_get_cuda_rng_state", params=("device",)),
@@ -63,6 +64,10 @@ RELIES_ON = (
     Private(f"{_BUFFER}:_ParamAndGradBuffer.__init__", "self.param_index_map[param] = (", in_source=True),
     Private(f"{_BUFFER}:_ParamAndGradBucket.__init__", "self.offset = offset", in_source=True),
     Private(f"{_BUFFER}:_ParamAndGradBucket.__init__", "self.numel_unpadded = numel_unpadded", in_source=True),
+    # wait_for_async_writers: the queue's active calls and each one's writer process.
+    Private(f"{_ASYNC}:AsyncCallsQueue.__init__", "self.async_calls", in_source=True),
+    Private(f"{_ASYNC}:_ActiveAsyncRequest", "async_caller"),
+    Private(f"{_ASYNC}:AsyncCaller", "close", params=("abort",)),
 )
 
 
@@ -154,3 +159,11 @@ def unpadded_param_positions(optimizer: Any) -> Iterator[None]:
     finally:
         for buffer, positions in saved:
             buffer.param_index_map = positions
+
+
+def wait_for_async_writers(queue: Any) -> None:
+    """Join the writer processes of an AsyncCallsQueue's background saves on this rank alone, and
+    forget the saves: their finalization is collective, which a rank on its way out cannot count on."""
+    for call in queue.async_calls:
+        call.async_caller.close()
+    queue.async_calls.clear()

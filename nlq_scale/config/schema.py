@@ -264,6 +264,11 @@ class CheckpointConfig(Strict):
     every: int = Field(0, ge=0, description="save every N steps (0 = only at the end and on signals)")
     keep: PositiveInt = Field(2, description="newest complete checkpoints kept")
     keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of this (0 = none)")
+    async_save: bool = Field(
+        False,
+        description="megatron engine: write the periodic checkpoints in the background while training goes on "
+        "(completed at a later step; the final and preemption saves stay synchronous)",
+    )
 
 
 class LoggingConfig(Strict):
@@ -335,6 +340,8 @@ class RunConfig(Strict):
         if self.train.engine == "deepspeed" and p.sequence_parallel:
             raise ValueError("parallel.sequence_parallel: unsupported with train.engine=deepspeed "
                              "(norm grads need megatron's TP reduction)")  # fmt: skip
+        if self.train.engine == "deepspeed" and self.checkpoint.async_save:
+            raise ValueError("checkpoint.async_save needs train.engine=megatron (the DeepSpeed engine saves synchronously)")
         if self.train.global_batch_size % self.train.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size ({self.train.global_batch_size}) not divisible by "

@@ -5,7 +5,9 @@ checkpoints/
                        tokens, data-loader state, divergence tracker), rng/rank_<r>.pt, and
                        complete.json (written last: file sizes, for detecting truncation)
   latest               names the newest complete step_<N>; updated after the rename
-  .tmp_step_<N>/       a save in progress (renamed when complete, removed when it fails)
+  .tmp_step_<N>/       a save in progress (renamed when complete, removed when it fails); a
+                       background save (checkpoint.async_save) stays here until every rank's
+                       write has ended, so a crash meanwhile leaves the previous step_<N> newest
 
 Retention: the newest `keep` complete checkpoints, every `keep_every`-th step's, and always the
 one just saved: the only loadable checkpoint is never deleted. A failed save (full disk, quota)
@@ -22,6 +24,7 @@ import os
 import random
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -68,6 +71,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+@dataclass(frozen=True)
+class PendingSave:
+    """A save started but not committed: its files are (being) written into `tmp`."""
+
+    step: int
+    tmp: Path
+
+
 class CheckpointDir:
     def __init__(self, run_dir: Path, keep: int, keep_every: int = 0) -> None:
         self.root = run_dir / CHECKPOINTS_DIR
@@ -105,7 +116,11 @@ class CheckpointDir:
     def save(self, step: int, rank: int, fill: Callable[[Path], None], trainer_state: dict) -> Path:
         """Collective: every rank calls it. `fill(tmp_dir)` writes the engine's shards. A failed write
         on any rank removes the partial directory and raises RunFailure (one line) on every rank."""
-        final = self.root / f"step_{step}"
+        return self.commit(self.start(step, rank, fill, trainer_state), rank)
+
+    def start(self, step: int, rank: int, fill: Callable[[Path], None], trainer_state: dict) -> PendingSave:
+        """Collective: a save up to its commit. `fill` may leave the engine's shards being written in
+        the background (written() then says when they are); RNG and trainer state are written here."""
         tmp = self.root / f".tmp_step_{step}"
         with self._saving(tmp, rank):
             if rank == 0:
@@ -117,9 +132,21 @@ class CheckpointDir:
             torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
             if rank == 0:
                 torch.save(trainer_state, tmp / "trainer.pt")
+        return PendingSave(step, tmp)
+
+    def written(self, pending: PendingSave, rank: int, engine_done: Callable[[], bool]) -> bool:
+        """Collective: whether the engine's background write of `pending` has ended on every rank
+        (`engine_done` asks the engine). A failed write is the save's failure, as in `save`."""
+        with self._saving(pending.tmp, rank), _failures_said_once():
+            return engine_done()
+
+    def commit(self, pending: PendingSave, rank: int) -> Path:
+        """Collective, once every rank's files are written: complete.json, the rename, `latest`, retention."""
+        final = self.root / f"step_{pending.step}"
+        tmp = pending.tmp
         with self._saving(tmp, rank):
             if rank == 0:
-                atomic_write(tmp / COMPLETE, json.dumps({"step": step, "files": _files(tmp)}, indent=1))
+                atomic_write(tmp / COMPLETE, json.dumps({"step": pending.step, "files": _files(tmp)}, indent=1))
                 if final.exists():  # a re-save of the same step (e.g. signal right after a periodic save)
                     shutil.rmtree(final)
                 os.replace(tmp, final)
@@ -153,6 +180,11 @@ class CheckpointDir:
     def _cause(self, error: BaseException | None, tmp: Path) -> str:
         if error is None:
             return "another rank's write failed"
+        lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
+        return self._no_room(error, tmp) or f"{type(error).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+
+    def _no_room(self, error: BaseException, tmp: Path) -> str | None:
+        """The cause when the filesystem is out of room, else None."""
         for e in _chain(error):
             if isinstance(e, OSError) and e.errno in _NO_ROOM:
                 return f"{os.strerror(e.errno).lower()} ({_free(self.root)})"
@@ -160,8 +192,16 @@ class CheckpointDir:
         # which must hold about what the previous checkpoint holds.
         if shutil.disk_usage(self.root).free + _size(tmp) < max(_LOW_SPACE, self._previous_size()):
             return f"no space left on device ({_free(self.root)})"
-        lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
-        return f"{type(error).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+        return None
+
+    def abandon(self, pending: PendingSave, rank: int, error: BaseException) -> RunFailure | None:
+        """Not collective: the run is failing with `error` while `pending` is written in the background
+        (this rank's writer has ended). Rank 0 removes the partial directory. A full disk is reported
+        as this save's failure, which the background write filling it likely is."""
+        cause = self._no_room(error, pending.tmp)  # before the partial files go
+        if rank == 0:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+        return RunFailure(f"checkpoint {pending.tmp}: save failed: {cause}") if cause else None
 
     def _prune(self, protect: Path) -> None:
         complete = [p for p in self._step_dirs() if self.problem(p) is None]

@@ -4,14 +4,17 @@ get_forward_backward_func, and dist_checkpointing with a fully reshardable optim
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -67,6 +70,19 @@ def _gc_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
+def _niced(write: Callable, *args, **kwargs) -> None:
+    os.nice(19)
+    write(*args, **kwargs)
+
+
+def _at_low_priority(request: AsyncRequest) -> AsyncRequest:
+    """The background writer (a forked process, and the writers it forks) at the lowest CPU priority:
+    where cores are few it must not slow the training steps it overlaps, only finish later."""
+    if request.async_fn is None:  # nothing to write on this rank
+        return request
+    return request._replace(async_fn=functools.partial(_niced, request.async_fn))
+
+
 class MegatronEngine:
     name = "megatron"
 
@@ -114,6 +130,8 @@ class MegatronEngine:
         self.tconfig.no_sync_func = self.model.no_sync
         self._skip_step_when_loading_param_state()
         self._schedule = get_forward_backward_func()
+        # One forked writer per background save (megatron's persistent worker needs CUDA).
+        self._saves = AsyncCallsQueue(persistent=False)
         self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))
 
     def set_lr(self, lr: float) -> None:
@@ -170,9 +188,27 @@ class MegatronEngine:
             )
         return {"model": model_state, "optimizer": optimizer_state}
 
-    def save(self, ckpt_dir: Path) -> None:
+    def save(self, ckpt_dir: Path, background: bool = False) -> None:
+        """Collective. In the background, this call writes only the small common state and snapshots
+        the tensors (a forked writer process sees them as they were at the fork, on the CPU as on a
+        GPU after megatron's device-to-host copy); `save_written` tells when every rank's write ended."""
         self._materialize_adam_state()  # a save before the first step would trip the same assert
-        dist_checkpointing.save(self._sharded_state(is_loading=False), str(ckpt_dir))
+        request = dist_checkpointing.save(
+            self._sharded_state(is_loading=False), str(ckpt_dir), async_sharded_save=background
+        )
+        if background:
+            self._saves.schedule_async_request(_at_low_priority(request))
+
+    def save_written(self, blocking: bool) -> bool:
+        """Collective: whether the background save has been written by every rank and finalized
+        (dist_checkpointing's metadata written); a failed write raises here, on every rank."""
+        self._saves.maybe_finalize_async_calls(blocking=blocking)
+        return self._saves.get_num_unfinalized_calls() == 0
+
+    def abandon_save(self) -> None:
+        """Not collective (other ranks may be gone): wait for this rank's writer process, so none
+        outlives the run writing into a directory a relaunch may reuse, and leave it unfinalized."""
+        megatron_compat.wait_for_async_writers(self._saves)
 
     def _torch_adams(self) -> list[torch.optim.Optimizer]:
         """megatron-core 0.16.x's distributed optimizers on torch's Adam mishandle its `step`; the

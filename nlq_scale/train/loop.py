@@ -3,6 +3,7 @@ checkpoints, metrics, the divergence guard and preemption signals."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from nlq_scale.model.accounting import count_parameters, flops_per_token
 from nlq_scale.runtime.device import Device
 from nlq_scale.runtime.dist import World
 from nlq_scale.runtime.kernels import report_missing
-from nlq_scale.train.checkpoint import CheckpointDir
+from nlq_scale.train.checkpoint import CheckpointDir, PendingSave
 from nlq_scale.train.divergence import DivergenceGuard
 from nlq_scale.train.feed import DataFeed
 from nlq_scale.train.metrics import MetricsWriter
@@ -73,6 +74,7 @@ class Trainer:
         self.engine = make_engine(cfg, world.device)
         self.feed = DataFeed(cfg, world, run_dir)
         self.step, self.tokens = 0, 0
+        self._pending: PendingSave | None = None
         resumed_from = self._resume()
         self.metrics = MetricsWriter(run_dir, cfg, resumed_from is not None, self.rank == 0, self.step)
         if self.rank == 0:
@@ -109,7 +111,10 @@ class Trainer:
         self.guard.load_state_dict(state["guard"])
         return ckpt
 
-    def _save(self) -> None:
+    def _save(self, background: bool = False) -> None:
+        """A checkpoint of the current step; in the background (checkpoint.async_save), committed by
+        a later `_poll_save`. Any background save still in flight is committed first: one at a time."""
+        self._poll_save(blocking=True)
         trainer_state = {
             "step": self.step,
             "tokens": self.tokens,
@@ -118,12 +123,30 @@ class Trainer:
             "world_size": self.world.world_size,
             "engine": self.cfg.train.engine,
         }
-        path = self.ckpts.save(self.step, self.rank, self.engine.save, trainer_state)
+        if background:
+            fill = functools.partial(self.engine.save, background=True)
+            self._pending = self.ckpts.start(self.step, self.rank, fill, trainer_state)
+        else:
+            self._saved(self.ckpts.save(self.step, self.rank, self.engine.save, trainer_state))
+
+    def _poll_save(self, blocking: bool) -> None:
+        """Commit the background save once every rank has written it (collective; waits with `blocking`)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None  # unless still in flight: a failed write ends it here
+        if not self.ckpts.written(pending, self.rank, lambda: self.engine.save_written(blocking)):
+            self._pending = pending
+            return
+        self._saved(self.ckpts.commit(pending, self.rank))
+
+    def _saved(self, path: Path) -> None:
+        # At the step it became complete, which is later than its own for a background save.
         if self.rank == 0:
             self.status.update(last_checkpoint=str(path), step=self.step, tokens=self.tokens)
         self.metrics.write({"step": self.step, "tokens": self.tokens, "event": "checkpoint", "checkpoint": path.name})
 
     def _finish(self, state: str, event: str, error: str | None = None, signal: str | None = None) -> str:
+        self._poll_save(blocking=True)  # a diverged run's save in flight is of a step before the divergence
         record = {"step": self.step, "tokens": self.tokens, "event": event}
         if error:
             record["error"] = error
@@ -164,6 +187,17 @@ class Trainer:
         return record
 
     def run(self) -> str:
+        try:
+            return self._run()
+        except BaseException as error:
+            if self.cfg.checkpoint.async_save:
+                self.engine.abandon_save()  # uncommitted: the previous checkpoint stays the newest
+            failure = self.ckpts.abandon(self._pending, self.rank, error) if self._pending else None
+            if failure is not None:
+                raise failure from error
+            raise
+
+    def _run(self) -> str:
         t = self.cfg.train
         if self.step >= t.steps:
             return self._finish("completed", "end")
@@ -180,6 +214,7 @@ class Trainer:
                 seconds = time.perf_counter() - start
                 self.step += 1
                 self.tokens += self.tokens_per_step
+                self._poll_save(blocking=False)
                 record = self._train_record(lr, stats.loss, stats.grad_norm, seconds, digest)
                 problem = self.guard.check_train(stats.loss)
                 if problem is None and (self.step % t.eval_every == 0 or self.step == t.steps):
@@ -196,7 +231,7 @@ class Trainer:
                     return self._finish("preempted", "preempt", signal=stop.signal_name)
                 every = self.cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < t.steps:
-                    self._save()
+                    self._save(background=self.cfg.checkpoint.async_save)
                 if self.rank == 0:
                     self.status.update(step=self.step, tokens=self.tokens)
         self._save()
