@@ -2,7 +2,7 @@ import pytest
 
 from nlq_scale.config import load_run_config
 from nlq_scale.model.accounting import count_parameters, flops_per_token
-from tests.conftest import nlq
+from tests.conftest import REPO, nlq
 
 M = 1e6
 
@@ -67,3 +67,19 @@ def test_params_cli_json():
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert abs(info["params"]["non_embedding"] / M - 84.95) <= 0.05 and info["flops_per_token"] > 0
+
+
+def test_the_roofline_prices_the_query_path_and_its_table_is_the_documented_one():
+    """On paper (nlq_scale/model/roofline.py): the nonlinear query's memory-bound passes cost
+    less of a step as the model widens; identity, with no W_Q, is the fastest arm; the table in
+    docs/performance.md is what the module prints."""
+    from nlq_scale.model.roofline import seconds_per_token, table
+
+    def speed_over_linear(scale: str, arm: str) -> float:
+        linear = seconds_per_token(load_run_config(scale, "linear").model)
+        return linear / seconds_per_token(load_run_config(scale, arm).model)
+
+    ratios = [speed_over_linear(s, "nonlinear") for s in ("124m", "1.3b", "13b")]
+    assert ratios == sorted(ratios) and 0.9 < ratios[0] < ratios[-1] < 1.0
+    assert speed_over_linear("124m", "identity") > 1.0
+    assert table() in (REPO / "docs" / "performance.md").read_text(), "run: python -m nlq_scale.model.roofline"
