@@ -104,8 +104,11 @@ class TrainLoader:
         self.global_batch = rank_batch_size * dp_size
         self.steps_per_epoch = dataset.epoch_size // self.global_batch
         self._identity = identity
+        # Its own generator: each epoch's iterator draws a base seed for its workers, which from torch's
+        # global generator would put a resumed run's RNG states a draw ahead of a straight run's.
         self._loader = DataLoader(dataset, batch_size=rank_batch_size, num_workers=num_workers,
-                                  collate_fn=collate_tokens, persistent_workers=False)
+                                  collate_fn=collate_tokens, persistent_workers=False,
+                                  generator=torch.Generator().manual_seed(identity["seed"]))  # fmt: skip
         self._batches: Any = None
         self.epoch = 0
         self.step_in_epoch = 0
