@@ -3,6 +3,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): most of a test's time is spent in subprocesses and SLURM waits, so two
+# workers finish the suite sooner even on 2 cores; TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup test test-fast quickstart bench clean-venv
 
@@ -18,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 # Everything, including the slow multi-process and SLURM tests (what CI runs).
 test: setup
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Local inner loop: skip multi-process and SLURM tests.
 test-fast: setup

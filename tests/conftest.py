@@ -1,5 +1,7 @@
 """Shared test helpers. Multi-process tests are marked `slow` (run in CI; skip locally with
-`make test-fast`)."""
+`make test-fast`). `make test` runs two pytest-xdist workers with `--dist loadfile` (a file's tests,
+and its module fixtures, stay on one worker); tests on the local SLURM cluster take a lock for their
+duration (tests/test_cluster_slurm.py: slurm_cluster), so that one test's jobs are never another's."""
 
 from __future__ import annotations
 

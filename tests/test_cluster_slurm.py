@@ -8,6 +8,7 @@ end on a prepared dataset.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -45,7 +46,8 @@ def local_slurm():
     exported = [ln for ln in out.stdout.splitlines() if ln.startswith("export SLURM_CONF=")]
     os.environ["SLURM_CONF"] = exported[-1].split("=", 1)[1]
     yield Path(os.environ["SLURM_CONF"])
-    if not was_up:
+    # Under pytest-xdist another worker's session may still be using the cluster: leave it up.
+    if not was_up and "PYTEST_XDIST_WORKER" not in os.environ:
         subprocess.run(["bash", str(STOP)], capture_output=True, timeout=120)
 
 
@@ -57,12 +59,15 @@ def queued_jobs() -> set[str]:
 
 @pytest.fixture
 def slurm_cluster(local_slurm):
-    """The cluster for one test: jobs the test leaves queued or running are cancelled afterwards, so a
-    failing test cannot hold the two nodes and starve every test after it."""
-    before = queued_jobs()
-    yield local_slurm
-    if leftover := queued_jobs() - before:
-        subprocess.run(["scancel", *sorted(leftover)], capture_output=True, timeout=60)
+    """The cluster for one test, held alone (a lock shared by pytest-xdist workers): jobs the test
+    leaves queued or running are cancelled afterwards, so a failing test cannot hold the two nodes
+    and starve every test after it."""
+    with open(local_slurm.parent / "tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        before = queued_jobs()
+        yield local_slurm
+        if leftover := queued_jobs() - before:
+            subprocess.run(["scancel", *sorted(leftover)], capture_output=True, timeout=60)
 
 
 def submit_toy(runs, root: Path, sweep: str = "test-two-arm") -> list[dict]:

@@ -118,3 +118,20 @@ def test_bad_eval_input_exits_2_with_one_line(runs, tmp_path, capsys):
     r = nlq("eval", str(runs["linear"]), "--tasks", "lambada_openai", env={"HF_DATASETS_CACHE": str(tmp_path / "hf")})
     assert r.returncode == 2 and "not in the local datasets cache" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_stderr_bootstrap_runs_without_a_process_pool(monkeypatch):
+    """lm-eval's pool ends its workers with SIGTERM, which workers forked inside a submitit job
+    ignore (the evaluation job hung): evaluate makes lm-eval bootstrap in its own process."""
+    import multiprocessing
+
+    from lm_eval.api.metrics import bootstrap_stderr, mean
+
+    from nlq_scale.evaluate import run
+
+    for name in ("DISABLE_MULTIPROC", "LMEVAL_DISABLE_MULTIPROC"):
+        monkeypatch.setenv(name, "")  # recorded, so what _serial_bootstrap sets is undone after the test
+        monkeypatch.delenv(name)
+    run._serial_bootstrap()
+    monkeypatch.setattr(multiprocessing, "Pool", lambda *a, **k: pytest.fail("lm-eval started a process pool"))
+    assert 0.0 < bootstrap_stderr(mean, [0.0, 1.0] * 50, run.BOOTSTRAP_ITERS) < 0.1

@@ -36,6 +36,16 @@ def _offline() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
+def _serial_bootstrap() -> None:
+    """lm-eval bootstraps a stderr in a multiprocessing pool of one process per core and ends it
+    with SIGTERM; inside a submitit job (a sweep's evaluation job) the forked workers inherit
+    submitit's handler, which ignores SIGTERM, and the job hangs until its time limit. One chunk
+    of BOOTSTRAP_ITERS draws is quick in this process. lm-eval 0.4.13 reads DISABLE_MULTIPROC; its
+    defaults module already names LMEVAL_DISABLE_MULTIPROC."""
+    for name in ("DISABLE_MULTIPROC", "LMEVAL_DISABLE_MULTIPROC"):
+        os.environ.setdefault(name, "1")
+
+
 def check_task_names(names: list[str], manager, field: str = "--tasks") -> None:
     """Every name is a task lm-eval (with the local tasks staged) knows; `field` names the input."""
     for name in names:
@@ -132,6 +142,7 @@ def evaluate(run_dir: Path, tasks: list[str], step: int | None = None, limit: in
     device = eval_device(device)
     ckpt = find_checkpoint(run_dir, step)
     _offline()
+    _serial_bootstrap()
     with tempfile.TemporaryDirectory(prefix="nlq-eval-") as tmp:
         local = stage_local_tasks(Path(tmp) / "tasks")
         loaded = load_tasks(tasks, Path(tmp) / "tasks")
