@@ -8,6 +8,7 @@ end on a prepared dataset.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -34,14 +36,27 @@ STOP = REPO / "slurm" / "local-cluster" / "stop.sh"
 TERMINAL = {"completed", "failed", "diverged", "dead"}
 
 
+STATE_DIR = Path(os.environ.get("NLQ_SLURM_STATE", "/var/lib/nlq-slurm"))
+
+
+@contextlib.contextmanager
+def cluster_held() -> Iterator[None]:
+    """The cluster to this process alone while it runs: pytest-xdist workers share it, and a test
+    (or start.sh, which restarts a slurmd a test killed on purpose) must not act under another test."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(STATE_DIR / "tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def local_slurm():
     """The local cluster, started through its script; stopped again only if this session started it."""
-    state_dir = Path(os.environ.get("NLQ_SLURM_STATE", "/var/lib/nlq-slurm"))
-    conf = state_dir / "slurm.conf"
-    was_up = conf.exists() and subprocess.run(["scontrol", "ping"], env=os.environ | {"SLURM_CONF": str(conf)},
-                                              capture_output=True).returncode == 0
-    out = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=600)
+    conf = STATE_DIR / "slurm.conf"
+    with cluster_held():
+        was_up = conf.exists() and subprocess.run(["scontrol", "ping"], env=os.environ | {"SLURM_CONF": str(conf)},
+                                                  capture_output=True).returncode == 0
+        out = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"start.sh failed:\n{out.stdout}\n{out.stderr}"
     exported = [ln for ln in out.stdout.splitlines() if ln.startswith("export SLURM_CONF=")]
     os.environ["SLURM_CONF"] = exported[-1].split("=", 1)[1]
@@ -59,11 +74,9 @@ def queued_jobs() -> set[str]:
 
 @pytest.fixture
 def slurm_cluster(local_slurm):
-    """The cluster for one test, held alone (a lock shared by pytest-xdist workers): jobs the test
-    leaves queued or running are cancelled afterwards, so a failing test cannot hold the two nodes
-    and starve every test after it."""
-    with open(local_slurm.parent / "tests.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    """The cluster for one test, held alone: jobs the test leaves queued or running are cancelled
+    afterwards, so a failing test cannot hold the two nodes and starve every test after it."""
+    with cluster_held():
         before = queued_jobs()
         yield local_slurm
         if leftover := queued_jobs() - before:
