@@ -54,8 +54,8 @@ def _modules():
             self.heads, self.eps = config.num_attention_heads, config.layernorm_epsilon
             self.norm_in = on_sequence_shard(torch.nn.RMSNorm(d, eps=self.eps, dtype=config.params_dtype), config)
             self.f = ParallelMLP(config, width, activation, tp_group)
-            self.head_norm_gain = torch.nn.Parameter(torch.ones(d, dtype=config.params_dtype))
-            self.head_norm_gain.sequence_parallel = config.sequence_parallel  # see on_sequence_shard
+            gain = torch.nn.Parameter(torch.ones(d, dtype=config.params_dtype))
+            self.head_norm_gain = on_sequence_shard(gain, config)
 
         def forward(self, x):
             correction = self.head_norm_gain * head_rms(self.f(self.norm_in(x)), self.heads, self.eps)

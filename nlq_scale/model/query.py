@@ -52,13 +52,13 @@ def to_local_heads(q: Tensor, config: TransformerConfig) -> Tensor:
     return all_to_all_sp2hp(q).view(shard * t, batch, width // t)  # rank i holds positions i*s/t...
 
 
-def on_sequence_shard(module: torch.nn.Module, config: TransformerConfig) -> torch.nn.Module:
-    """Marks a module whose parameters act on the full hidden vector of each token (norms, gains):
-    under sequence parallelism each rank sees only its tokens, so megatron's finalize_model_grads
-    must sum their gradients over the tensor-parallel group."""
-    for param in module.parameters():
+def on_sequence_shard(part: torch.nn.Module | torch.nn.Parameter, config: TransformerConfig):
+    """Marks a module (or one parameter) acting on the full hidden vector of each token (norms,
+    gains): under sequence parallelism each rank sees only its tokens, so megatron's
+    finalize_model_grads must sum their gradients over the tensor-parallel group."""
+    for param in [part] if isinstance(part, torch.nn.Parameter) else part.parameters():
         param.sequence_parallel = config.sequence_parallel
-    return module
+    return part
 
 
 class ScatterToHeads(MegatronModule):
