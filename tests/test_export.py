@@ -1,6 +1,7 @@
 """Export to transformers and generation: for every registered arm the exported model's logits and
-greedy tokens equal the harness's; checkpoints from a TP=2 megatron run and a ZeRO-3 DeepSpeed run
-export to models whose validation loss is the one the training ranks logged; bad input is refused."""
+greedy tokens equal the harness's; checkpoints from a TP=2 megatron run and ZeRO-3 DeepSpeed runs (at
+DP=2 and at TP=2) export to models whose validation loss is the one the training ranks logged; bad
+input is refused."""
 
 from __future__ import annotations
 
@@ -246,29 +247,55 @@ def val_loss_of_export(out: Path, run_dir: Path) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), val[:, 1:].flatten()).item()
 
 
+ZERO3_TP2 = ["train.engine=deepspeed", "train.zero_stage=3", "parallel.tp=2"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "arm, extra",
+    "nproc, arm, extra",
     [
-        ("nonlinear", ["parallel.tp=2"]),
-        ("preproj", ["parallel.pp=2"]),
-        ("preproj", ["train.engine=deepspeed", "train.zero_stage=3"]),
-        ("residual", ["train.engine=deepspeed", "train.zero_stage=0", "parallel.tp=2"]),
-        ("nonlinear", ["model.moe.num_experts=4", "parallel.ep=2"]),
+        (2, "nonlinear", ["parallel.tp=2"]),
+        (2, "preproj", ["parallel.pp=2"]),
+        (2, "preproj", ["train.engine=deepspeed", "train.zero_stage=3"]),
+        (2, "residual", ["train.engine=deepspeed", "train.zero_stage=0", "parallel.tp=2"]),
+        (2, "nonlinear", ["model.moe.num_experts=4", "parallel.ep=2"]),
+        (2, "nonlinear", ZERO3_TP2),  # the query's up/down projections are TP-split too
+        (4, "nonlinear", ZERO3_TP2),
     ],
-    ids=["megatron-tp2", "megatron-pp2", "deepspeed-zero3-dp2", "deepspeed-zero0-tp2", "megatron-moe-ep2"],
-)
-def test_multi_rank_checkpoints_export_to_the_loss_the_ranks_logged(sample_dataset, tmp_path, arm, extra):
+    ids=[
+        "megatron-tp2", "megatron-pp2", "deepspeed-zero3-dp2", "deepspeed-zero0-tp2", "megatron-moe-ep2",
+        "deepspeed-zero3-tp2", "deepspeed-zero3-tp2-dp2",
+    ],
+)  # fmt: skip
+def test_multi_rank_checkpoints_export_to_the_loss_the_ranks_logged(sample_dataset, tmp_path, nproc, arm, extra):
     """The ranks' own validation loss at the saved step (their TP/PP/DP model, fp32) is what the
     export computes on the same sequences, and (at TP=2) its greedy tokens are `nlq-scale generate`'s."""
     run_dir, out = tmp_path / "run", tmp_path / "hf"
-    train(run_dir, sample_dataset, 2, "--arm", arm, *extra)
+    train(run_dir, sample_dataset, nproc, "--arm", arm, *extra)
     r = nlq("export", str(run_dir), "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     logged = [m["val/loss"] for m in read_metrics(run_dir) if m.get("step") == 3 and "val/loss" in m][-1]
     assert val_loss_of_export(out, run_dir) == pytest.approx(logged, abs=TOL)
     if "parallel.tp=2" in extra:  # generate reads checkpoints as export does: one sharded layout is enough
         assert generated(run_dir) == generated(out)
+
+
+@pytest.mark.slow
+def test_a_zero3_shard_carrying_code_is_refused_naming_it(sample_dataset, tmp_path):
+    """DeepSpeed's converter reads the ZeRO shards itself and does not say which one it failed on:
+    the export names it."""
+    from tests.test_train_reliability import plant_in_torch_file, reseal
+
+    run_dir, marker = tmp_path / "run", tmp_path / "payload-ran"
+    train(run_dir, sample_dataset, 2, "--arm", "nonlinear", *ZERO3_TP2)
+    ckpt = run_dir / "checkpoints" / "step_3"
+    shard = ckpt / "deepspeed" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    plant_in_torch_file(shard, marker)
+    reseal(ckpt)
+    r = nlq("export", str(run_dir), "--out", str(tmp_path / "hf"))
+    line = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and f"{shard}: refused: not plain checkpoint data" in line, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not marker.exists() and not (tmp_path / "hf").exists()
 
 
 # ---------------------------------------------------------------- the authors' nanoGPT checkpoints

@@ -32,6 +32,9 @@ RELIES_ON = (
     Private("deepspeed.runtime.utils", "get_flattened_grad_norm", params=("parameters", "norm_type", "mpu")),
     Private(_CONVERTER, "main", params=("args",)),
     *(Private(_CONVERTER, f"args.{field}", in_source=True) for field in ("input_folder", "output_folder", *_CONVERTER_ARGS)),
+    # export/checkpoint.py reads ZeRO-3 checkpoints saved at tp > 1 through it: the converter must
+    # read their files as a grid of TP x DP ranks, not as DP ranks alone.
+    Private(f"{_CONVERTER}:main", "_build_zero3_rank_grid", in_source=True),
     *(Private(name.rsplit(".", 1)[0], name.rsplit(".", 1)[1]) for name in PICKLED_CLASSES),
 )
 

@@ -5,7 +5,8 @@ megatron engine: dist_checkpointing loads the model part into the TP=1 model's s
 (it reshards any TP/PP/DP layout). DeepSpeed engine: ZeRO stage 0 keeps whole per-TP-rank weights
 in its model states, merged here by the partition dims the engine saved beside them; stages 1-3
 go through DeepSpeed's universal-checkpoint conversion (the engine's own), written to a temporary
-directory, never into the run directory.
+directory, never into the run directory. The converter merges the TP slices on the same recorded
+partition dims, ZeRO-3's too (it reads a stage-3 checkpoint as a grid of TP x DP ranks).
 """
 
 from __future__ import annotations
@@ -116,15 +117,14 @@ def _deepspeed_weights(path: Path) -> dict[str, Tensor]:
     if sharding.zero_stage == 0:
         return _merge_model_states(path / TAG, sharding.tp)
     weights = _universal_weights(path / TAG)
-    if sharding.zero_stage == 3:
-        weights = _unflatten_zero3(path / TAG, sharding.tp, weights)
+    if sharding.zero_stage == 3 and sharding.tp == 1:
+        weights = _unflatten_zero3(path / TAG, weights)
     return weights
 
 
-def _unflatten_zero3(root: Path, tp: int, weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The converter leaves ZeRO-3 parameters flat; their shapes are in every rank's model states."""
-    if tp > 1:
-        raise UsageError(f"{root}: ZeRO stage 3 at tp={tp}: export reads ZeRO-3 checkpoints saved at tp=1 only")
+def _unflatten_zero3(root: Path, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """At tp=1 the converter leaves ZeRO-3 parameters flat; their shapes are in every rank's model
+    states. (At tp > 1 it needs those shapes to merge the TP slices, so it returns them shaped.)"""
     states = untrusted.load(root / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     shapes = {k: v for group in states["param_shapes"] for k, v in group.items()}
     return {k: v.view(shapes[k]) if k in shapes else v for k, v in weights.items()}
@@ -159,9 +159,17 @@ def _universal_weights(root: Path) -> dict[str, Tensor]:
         universal = Path(tmp) / "universal"
         error = convert_to_universal(root, universal)
         if error is not None:
-            raise UsageError(error)
+            _refuse_unloadable_file(root)
+            raise UsageError(error.splitlines()[0])
         params = universal / TAG / "zero"
         return {p.name: _param(untrusted.load(p / "fp32.pt")) for p in sorted(params.iterdir()) if p.is_dir()}
+
+
+def _refuse_unloadable_file(root: Path) -> None:
+    """The converter's error does not say which file it failed on: the one `untrusted.load` refuses
+    (raised with one line naming it), if any is."""
+    for path in sorted(root.glob("*.pt")):
+        untrusted.load(path)
 
 
 def _param(saved: dict | Tensor) -> Tensor:
