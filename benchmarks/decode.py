@@ -5,13 +5,14 @@ measures the query path, not two implementations.
 Prints one JSON line: decode tokens/s per arm and each arm's speed over the baseline's (the
 nonlinear query adds work on the critical path of every token). Goal: nonlinear_over_linear >= 0.95.
 
-    python benchmarks/decode.py [--scale cpu-s --prompt 16 --new-tokens 48 --batch 1 --repeats 3 --device cpu]
+    python benchmarks/decode.py [--scale 124m --prompt 16 --new-tokens 16 --batch 1 --repeats 8 --device cpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 
@@ -31,13 +32,19 @@ def decode_seconds(model, prompt, new_tokens: int) -> float:
         return time.perf_counter() - start
 
 
+def paired_ratio(base: list[float], arm: list[float]) -> float:
+    """Median over rounds of the arm's speed over the baseline's in the same round: on a shared
+    machine the load drifts between rounds far more than within one."""
+    return round(statistics.median(b / t for b, t in zip(base, arm, strict=True)), 3)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scale", default="cpu-s")
+    p.add_argument("--scale", default="124m")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=8, help="rounds; medians reported")
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
 
@@ -62,11 +69,14 @@ def main() -> None:
             state = build_gpt(cfg.model, cfg.parallel, device=torch.device("cpu")).state_dict()
             models[arm] = hf_model(state, cfg.model, stock=False).to(a.device)
     prompt = torch.randint(0, cfg.model.vocab_size, (a.batch, a.prompt), device=a.device)
-    best = dict.fromkeys(models, float("inf"))
-    for _ in range(a.repeats):  # arms interleaved, so a change in machine load hits them alike
-        for arm, model in models.items():
-            best[arm] = min(best[arm], decode_seconds(model, prompt, a.new_tokens))
-    speed = {arm: a.batch * a.new_tokens / s for arm, s in best.items()}
+    for model in models.values():  # warm-up: first-call allocations and kernel selection
+        decode_seconds(model, prompt, 2)
+    times = {arm: [] for arm in models}
+    order = list(models)
+    for r in range(a.repeats):  # arms interleaved, the order rotated each round: load changes hit them alike
+        for arm in order[r % len(order) :] + order[: r % len(order)]:
+            times[arm].append(decode_seconds(models[arm], prompt, a.new_tokens))
+    speed = {arm: a.batch * a.new_tokens / statistics.median(t) for arm, t in times.items()}
     classes = {arm: type(model).__name__ for arm, model in models.items()}
     base = arms.baseline().name
     print(
@@ -80,7 +90,8 @@ def main() -> None:
                 "new_tokens": a.new_tokens,
                 "decode_tokens_per_s": {arm: round(s, 1) for arm, s in speed.items()},
                 "class": classes,
-                **{f"{arm}_over_{base}": round(s / speed[base], 3) for arm, s in speed.items() if arm != base},
+                **{f"{arm}_over_{base}": paired_ratio(times[base], times[arm]) for arm in times if arm != base},
+                f"nonlinear_over_{base}_per_round": sorted(round(b / t, 3) for b, t in zip(times[base], times["nonlinear"])),
                 "goals": {f"nonlinear_over_{base}": 0.95},
             }
         )
