@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,11 +267,29 @@ def test_checkpoint_round_trip_gives_identical_logits(single_rank, arm, tmp_path
     assert torch.equal(logits(loaded, cfg, tokens), logits(saved, cfg, tokens))
 
 
+def exported_loss(checkpoint: Path, case: str) -> float:
+    """The loss on layout_loss.py's tokens of its checkpoint as `nlq-scale export` reads (into one
+    TP=1 model) and converts it (to transformers, a stock class where one fits)."""
+    import torch.nn.functional as F
+
+    from nlq_scale.export.checkpoint import Checkpoint, load_harness_model
+    from nlq_scale.export.hf import hf_model
+
+    arm, *extra = case.split("|")
+    cfg = case_config(arm, extra)
+    model = load_harness_model(Checkpoint(run_dir=checkpoint, path=checkpoint, step=0, cfg=cfg))
+    torch.manual_seed(1)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_length + 1))
+    with torch.no_grad():
+        out = hf_model(model.state_dict(), cfg.model)(input_ids=tokens[:, :-1]).logits
+    return F.cross_entropy(out.flatten(0, 1), tokens[:, 1:].flatten()).item()
+
+
 @pytest.mark.slow
-def test_tp2_and_pp2_give_the_tp1_loss(tmp_path):
+def test_tp2_and_pp2_give_the_tp1_loss_and_export_to_it(single_rank, tmp_path):
     """Reference weights through megatron's pipeline schedule at TP=2 (with and without sequence
     parallelism) and PP=2 vs TP=1, for every arm and two variants (TP=1 equals the reference by
-    test_logits_equal_the_reference)."""
+    test_logits_equal_the_reference); and each layout's checkpoint, exported, gives its loss."""
     cases = [*arms.names()] + [
         "|".join([arm, *VARIANTS[variant]]) for arm, variant in (("nonlinear", "nobias-rmsqk"), ("identity", "learnedqk-rope-gqa"))
     ]
@@ -282,6 +301,8 @@ def test_tp2_and_pp2_give_the_tp1_loss(tmp_path):
     for layout, per_case in losses.items():
         for case in cases:
             assert abs(per_case[case] - base[case]) <= 1e-5 * base[case], (layout, case, per_case[case], base[case])
+            exported = exported_loss(tmp_path / f"{layout}.ckpt" / str(cases.index(case)), case)
+            assert abs(exported - per_case[case]) <= 1e-5 * base[case], (layout, case, exported, per_case[case])
 
 
 def test_example_arm_conforms():

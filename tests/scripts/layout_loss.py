@@ -1,13 +1,16 @@
 """Rank script: the loss of reference weights loaded into a megatron GPT at a TP x PP layout (with
-sequence parallelism when SP is `sp`), through megatron's pipeline schedule, for each case.
+sequence parallelism when SP is `sp`), through megatron's pipeline schedule, for each case; each
+case's model is also saved with dist_checkpointing to OUT's directory, `<OUT stem>.ckpt/<case index>`.
 Usage: layout_loss.py TP PP SP OUT CASE... where SP is `sp` or `-` and a CASE is a model.arm,
 optionally with overrides: `nonlinear|model.qk_norm=rms|...`."""
 
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
+from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -22,7 +25,7 @@ from nlq_scale.train.engine_common import lm_loss, reduce_last_stage_mean
 from tests.conftest import TINY_MODEL
 
 
-def arm_loss(case: str, tp: str, pp: str, sp: str) -> float:
+def arm_loss(case: str, tp: str, pp: str, sp: str, checkpoint: Path) -> float:
     arm, *extra = case.split("|")
     layout = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.sequence_parallel={sp == 'sp'}"]
     cfg = load_run_config("124m", overrides=TINY_MODEL + [f"model.arm={arm}", *extra, *layout])
@@ -53,12 +56,15 @@ def arm_loss(case: str, tp: str, pp: str, sp: str) -> float:
             micro_batch_size=2,
             forward_only=True,
         )
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), str(checkpoint))
     return reduce_last_stage_mean(losses, Device(torch.device("cpu")))
 
 
 def main(tp: str, pp: str, sp: str, out: str, *cases: str) -> None:
     with distributed(ParallelConfig(tp=int(tp), pp=int(pp))):
-        losses = {case: arm_loss(case, tp, pp, sp) for case in cases}
+        checkpoints = Path(out).with_suffix(".ckpt")
+        losses = {case: arm_loss(case, tp, pp, sp, checkpoints / str(i)) for i, case in enumerate(cases)}
     if int(os.environ["RANK"]) == 0:
         with open(out, "w") as f:
             json.dump(losses, f)
