@@ -121,7 +121,8 @@ def test_coord_check_separates_the_parametrizations(single_rank, arm):
     p = result["parametrizations"]
     assert p["standard"]["max_abs_slope"] > 1.0, p["standard"]["max_abs_slope"]
     assert p["mup"]["max_abs_slope"] < 0.3, {k: v for k, v in p["mup"]["modules"].items() if abs(v["slope"]) >= 0.3}
-    assert {"output_layer", "self_attention.attention_logits", "mlp.linear_fc2"} <= set(p["mup"]["modules"])
+    assert {"output_layer", "self_attention.attention_logits", "self_attention.attention_q", "self_attention.attention_k",
+            "mlp.linear_fc2"} <= set(p["mup"]["modules"])
 
 
 def test_coord_check_cli_writes_json_and_plot(tmp_path):

@@ -92,7 +92,7 @@ def _role(name: str) -> str:
 
 class Recorder:
     """Forward hooks on every module that holds parameters, the arm's query module and the core
-    attention (whose hook computes the causal attention logits from q and k)."""
+    attention (whose hook records the q and k it receives and computes the causal attention logits)."""
 
     def __init__(self, model) -> None:
         self.outputs: dict[str, list[Tensor]] = defaultdict(list)
@@ -118,7 +118,10 @@ class Recorder:
             k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
             logits = torch.einsum("sbhd,tbhd->bhst", q, k) * module.softmax_scale
             causal = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril()
-            self.outputs[_role(name).replace("core_attention", "attention_logits")].append(logits[..., causal].detach())
+            role = _role(name).replace("core_attention", "attention_{}")
+            # q and k as attention sees them (after any QK-norm and RoPE): which side moves the logits
+            for part, tensor in (("logits", logits[..., causal]), ("q", q), ("k", k)):
+                self.outputs[role.format(part)].append(tensor.detach().clone())
 
         return hook
 
