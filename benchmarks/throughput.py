@@ -10,7 +10,8 @@ same count the GPU MFU uses, times tokens/s) over this machine's fp32 matmul pea
 thread count, measured in the same run (the best of a few seconds of square matmuls, before and
 after the training steps).
 
-`nonlinear_recompute_query` is the nonlinear arm with parallel.recompute_query (its query MLP run
+`nonlinear_fuse_up` is the nonlinear arm with model.nlq.fuse_up (its RMSNorm folded into W1's GEMM);
+`fuse_up_over_nonlinear` is what that gains. `nonlinear_recompute_query` is the nonlinear arm with parallel.recompute_query (its query MLP run
 again in backward, for activation memory); `recompute_query_over_nonlinear` is what that costs (its
 MFU counts the model's FLOPs, not the recomputation, as MFU does).
 
@@ -46,6 +47,7 @@ VARIANTS = {
     "nonlinear": ("nonlinear", ()),
     "identity": ("identity", ()),
     "nonlinear_recompute_query": ("nonlinear", ("parallel.recompute_query=true",)),
+    "nonlinear_fuse_up": ("nonlinear", ("model.nlq.fuse_up=true",)),
 }
 
 
@@ -148,6 +150,8 @@ def main() -> None:
                 "rounds": a.rounds,
                 **{f"tokens_per_s_{name}": round(v, 1) for name, v in tps.items()},
                 "nonlinear_over_linear": round(tps["nonlinear"] / tps["linear"], 4),
+                "nonlinear_fuse_up_over_linear": round(tps["nonlinear_fuse_up"] / tps["linear"], 4),
+                "fuse_up_over_nonlinear": round(tps["nonlinear_fuse_up"] / tps["nonlinear"], 4),
                 "identity_over_linear": round(tps["identity"] / tps["linear"], 4),
                 "harness_over_reference": round(tps["linear"] / tps["reference_linear"], 4),
                 "recompute_query_over_nonlinear": round(tps["nonlinear_recompute_query"] / tps["nonlinear"], 4),

@@ -35,6 +35,8 @@ VARIANTS = {
 MORE = [
     ("identity", ["model.num_query_groups=1", "model.normalization=RMSNorm"]),
     ("nonlinear", ["model.nlq.activation=relu2", "model.nlq.width=24", "model.add_bias_linear=true"]),
+    ("nonlinear", ["model.nlq.fuse_up=true", "model.add_bias_linear=true", "model.num_query_groups=2"]),
+    ("nonlinear-ph", ["model.nlq_ph.fuse_up=true", "model.position_embedding=rope"]),
     ("residual", ["model.add_bias_linear=true", "model.tie_embeddings=false"]),
     ("linear", ["model.tie_embeddings=false", "model.position_embedding=rope", "model.num_query_groups=2"]),
     ("linear-mlp4.75", []),
@@ -253,6 +255,34 @@ def test_query_recompute_frees_the_query_activations_as_the_planner_says(arm):
     assert memory_per_device(cfg, one_device_layout(cfg)).activations == pytest.approx(peaks[True], rel=0.15)
 
 
+@pytest.mark.parametrize("arm, bias", [("nonlinear", False), ("nonlinear", True), ("nonlinear-ph", True)])
+def test_fused_up_gives_the_unfused_loss_and_gradients_and_keeps_less(single_rank, arm, bias):
+    """fuse_up (model.nlq, model.nlq_ph) on the same parameters: loss and every gradient as unfused (with and without
+    parallel.recompute_query), and autograd keeps at least the (d - r) fewer elements per token and
+    layer that the planner's accounting counts."""
+    grads, saved, per_layer = {}, {}, {}
+    for fused in (False, True):
+        for recompute in (False, True):
+            cfg = case_config(arm, [f"model.{arms.get(arm).options_key}.fuse_up={fused}", f"parallel.recompute_query={recompute}",
+                                            f"model.add_bias_linear={bias}"])
+            model, tokens = build(cfg), tokens_for(cfg)
+            positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(tokens.shape[0], -1)
+            loss, saved[fused, recompute] = _saved_for_backward(lambda: model(tokens, positions, None, labels=tokens).mean())
+            loss.backward()
+            grads[fused, recompute] = [loss.detach(), *(p.grad for p in model.parameters())]
+            kept = arms.get(arm).recomputed_activation_elements if recompute else arms.get(arm).activation_elements
+            per_layer[fused, recompute] = sum(kept(cfg.model, tokens.numel()))
+    for key in grads:
+        for a, b in zip(grads[False, False], grads[key], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    m = cfg.model
+    planned = (per_layer[False, False] - per_layer[True, False]) * m.num_layers * 4
+    assert planned == tokens.numel() * m.num_layers * 4 * (m.hidden_size - m.hidden_size // 2)
+    # torch's CPU RMSNorm also keeps x/rms(x) before the gain: the planner's figure is a lower bound
+    assert saved[False, False] - saved[True, False] >= planned
+    assert saved[False, True] == saved[True, True] and per_layer[False, True] == per_layer[True, True]
+
+
 @pytest.mark.parametrize("arm", arms.names())
 def test_checkpoint_round_trip_gives_identical_logits(single_rank, arm, tmp_path):
     from megatron.core import dist_checkpointing
@@ -285,18 +315,33 @@ def exported_loss(checkpoint: Path, case: str) -> float:
     return F.cross_entropy(out.flatten(0, 1), tokens[:, 1:].flatten()).item()
 
 
+# Fused RMSNorm cases, each with its unfused twin: at every layout the same gradients.
+FUSED_TWINS = {
+    "nonlinear|model.nlq.fuse_up=true|model.add_bias_linear=true|model.num_query_groups=2":
+        "nonlinear|model.add_bias_linear=true|model.num_query_groups=2",
+    "nonlinear-ph|model.nlq_ph.fuse_up=true": "nonlinear-ph",
+}
+
+
 @pytest.mark.slow
 def test_tp2_and_pp2_give_the_tp1_loss_and_export_to_it(single_rank, tmp_path):
     """Reference weights through megatron's pipeline schedule at TP=2 (with and without sequence
     parallelism) and PP=2 vs TP=1, for every arm and two variants (TP=1 equals the reference by
-    test_logits_equal_the_reference); and each layout's checkpoint, exported, gives its loss."""
+    test_logits_equal_the_reference); and each layout's checkpoint, exported, gives its loss. A fused
+    RMSNorm (fuse_up) gives its unfused twin's gradients on every rank of every layout."""
     cases = [*arms.names()] + [
         "|".join([arm, *VARIANTS[variant]]) for arm, variant in (("nonlinear", "nobias-rmsqk"), ("identity", "learnedqk-rope-gqa"))
-    ]
+    ] + [case for pair in FUSED_TWINS.items() for case in pair if case not in arms.names()]
     for tp, pp, sp in ((1, 1, "-"), (2, 1, "-"), (2, 1, "sp"), (1, 2, "-")):
         out = tmp_path / f"{tp}x{pp}{sp}.json"
         run_ranks("layout_loss.py", tp * pp, str(tp), str(pp), sp, str(out), *cases)
     losses = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    for layout in losses:
+        for fused, unfused in FUSED_TWINS.items():
+            for grads in (tmp_path / f"{layout}.grads" / str(cases.index(fused))).glob("*.pt"):
+                twin = torch.load(tmp_path / f"{layout}.grads" / str(cases.index(unfused)) / grads.name)
+                for name, grad in torch.load(grads).items():
+                    torch.testing.assert_close(grad, twin[name], rtol=1e-4, atol=1e-7, msg=f"{layout} {fused} {name}")
     base = losses.pop("1x1-")
     for layout, per_case in losses.items():
         for case in cases:

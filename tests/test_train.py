@@ -128,11 +128,13 @@ def test_saved_at_two_ranks_resumes_at_one(uninterrupted, sample_dataset, tmp_pa
 # Layouts a checkpoint is saved at and resumed from at DP=2, per engine (DeepSpeed runs PP=1 only),
 # and whether the run starts from other weights there: megatron seeds each pipeline stage's init.
 SAVED_AT = {"megatron": (("parallel.tp=2", False), ("parallel.pp=2", True)), "deepspeed": (("parallel.tp=2", False),)}
-# The TP=2 part also recomputes the query MLP in backward (its W2 all-reduce repeated) and, on
-# megatron, runs sequence-parallel (the query's norms on sequence shards, one all-to-all to the
-# heads): the same training within the tolerance, and operational keys a resume may change.
-ALSO_AT = {("megatron", "parallel.tp=2"): ("parallel.recompute_query=true", "parallel.sequence_parallel=true"),
-           ("deepspeed", "parallel.tp=2"): ("parallel.recompute_query=true",)}  # fmt: skip
+# The TP=2 part also recomputes the query MLP in backward (its W2 all-reduce repeated), folds the
+# query's RMSNorm into W1 (model.nlq.fuse_up) and, on megatron, runs sequence-parallel (the query's
+# norms on sequence shards, one all-to-all to the heads): the same training within the tolerance,
+# and operational keys a resume may change.
+ALSO_AT = {("megatron", "parallel.tp=2"): ("parallel.recompute_query=true", "parallel.sequence_parallel=true",
+                                           "model.nlq.fuse_up=true"),
+           ("deepspeed", "parallel.tp=2"): ("parallel.recompute_query=true", "model.nlq.fuse_up=true")}  # fmt: skip
 
 
 @pytest.mark.slow

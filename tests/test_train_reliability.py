@@ -124,7 +124,7 @@ def test_operational_changes_are_recorded_and_identity_changes_refused(tmp_path,
 
 def test_option_sections_of_arms_a_run_does_not_use_are_not_its_identity(tmp_path, sample_dataset):
     """A run dir saved before an arm with options was registered lacks that arm's section: it still
-    resumes. The section of the arm the run uses stays identity."""
+    resumes. The section of the arm the run uses stays identity, but for its fused-norm switch."""
     from nlq_scale.config.load import load_run_config
     from nlq_scale.train.rundir import claim
 
@@ -138,6 +138,7 @@ def test_option_sections_of_arms_a_run_does_not_use_are_not_its_identity(tmp_pat
     del saved["model"][unused]  # as written before that arm existed
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     assert claim(run_dir, cfg()) is True
+    assert claim(run_dir, cfg("model.nlq.fuse_up=true")) is True  # the same function: operational
     with pytest.raises(UsageError, match=r"different config \(model\.nlq\.width: "):
         claim(run_dir, cfg("model.nlq.width=8"))
 

@@ -59,6 +59,16 @@ class QueryMLPOptions(Strict):
         return self.width or m.hidden_size // 2
 
 
+class NormedQueryMLPOptions(QueryMLPOptions):
+    """Options of an arm whose MLP reads RMSNorm(x) (f = W2 act(W1 RMSNorm x))."""
+
+    fuse_up: bool = Field(
+        False,
+        description="fold the RMSNorm into W1's GEMM (its gain into W1 at each step, 1/rms(x) after the "
+        "GEMM): the same parameters and function, the normalized x never written",
+    )
+
+
 def linear_params(m: ModelConfig, fan_in: int, fan_out: int) -> int:
     return fan_in * fan_out + (fan_out if m.add_bias_linear else 0)
 
@@ -234,6 +244,14 @@ class MLPArm(Arm):
         d, r = m.hidden_size, self.width(m)
         return {"nlq_rmsnorm": norm_params(m, d, "RMSNorm"), "nlq_w1": linear_params(m, d, r),
                 "nlq_w2": linear_params(m, r, d)}
+
+    def normed_mlp_elements(self, m: ModelConfig, tokens: int) -> tuple[float, float]:
+        """What act(W1 RMSNorm x) keeps for backward up to W2's input (`activation_elements`):
+        the RMSNorm output (full vectors), W1's and the activation's outputs (split); with fuse_up
+        no normalized x, but W1's GEMM output and it over rms(x) (split)."""
+        if self.settings(m).fuse_up:
+            return 0.0, tokens * 3 * self.width(m)
+        return tokens * m.hidden_size, tokens * 2 * self.width(m)
 
 
 REQUIRED_ATTRIBUTES = ("name", "summary", "fused_qkv")

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from nlq_scale.arms.base import (
     MLPArm,
-    QueryMLPOptions,
+    NormedQueryMLPOptions,
     export_recipe,
     linear_names,
     norm_names,
@@ -20,8 +20,8 @@ from nlq_scale.arms.base import (
 )
 
 
-class NonlinearQueryConfig(QueryMLPOptions):
-    """model.nlq: f's width r (W1: d -> r, W2: r -> d), activation, and the mix of x and f(x)."""
+class NonlinearQueryConfig(NormedQueryMLPOptions):
+    """model.nlq: f's width r (W1: d -> r, W2: r -> d), activation, fused RMSNorm, and the mix of x and f(x)."""
 
     section = "nlq"
     mix: float = Field(0.5, ge=0.0, le=1.0, description="weight of the X skip; f(X) gets 1 - mix")
@@ -33,17 +33,17 @@ def _modules():
     import torch
     from megatron.core.transformer.module import MegatronModule
 
-    from nlq_scale.model.query import ParallelMLP, on_sequence_shard, to_local_heads
+    from nlq_scale.model.query import ParallelMLP, normed_mlp, on_sequence_shard, to_local_heads
     from nlq_scale.model.reference import MLP
 
     class NonlinearQuery(MegatronModule):
         """Norms on the full hidden vector of each token (every rank, or this rank's sequence
         shard), f's W1/W2 split over TP, then the query goes to this rank's heads."""
 
-        def __init__(self, config, width, activation, mix, norm_bias, tp_group=None, **_unused):
+        def __init__(self, config, width, activation, mix, norm_bias, fuse_up, tp_group=None, **_unused):
             super().__init__(config=config)
             d, eps = config.hidden_size, config.layernorm_epsilon
-            self.mix = mix
+            self.mix, self.fuse_up = mix, fuse_up
             self.norm_in = on_sequence_shard(torch.nn.RMSNorm(d, eps=eps, dtype=config.params_dtype), config)
             self.f = ParallelMLP(config, width, activation, tp_group)
             self.norm_out = on_sequence_shard(
@@ -51,7 +51,7 @@ def _modules():
             )
 
         def forward(self, x):
-            q = self.mix * x + (1.0 - self.mix) * self.norm_out(self.f(self.norm_in(x)))
+            q = self.mix * x + (1.0 - self.mix) * self.norm_out(normed_mlp(self.norm_in, self.f, x, self.fuse_up))
             return to_local_heads(q, self.config)
 
     class ReferenceNonlinearQuery(torch.nn.Module):
@@ -83,8 +83,9 @@ class Nonlinear(MLPArm):
         return self.query_mlp_params(m) | {"nlq_layernorm": norm_params(m, m.hidden_size, "LayerNorm")}
 
     def activation_elements(self, m, tokens):
-        # RMSNorm output and W2 output (full vectors on every rank); W1 and activation outputs (split).
-        return tokens * 2 * m.hidden_size, tokens * 2 * self.width(m)
+        # The MLP's, and W2's output (full vectors on every rank).
+        replicated, split = self.normed_mlp_elements(m, tokens)
+        return replicated + tokens * m.hidden_size, split
 
     def recomputed_activation_elements(self, m, tokens):
         return 0.0, 0.0  # only x (kept by linear_kv) and q (kept by the attention) stay
@@ -97,7 +98,8 @@ class Nonlinear(MLPArm):
         o = self.settings(m)
         query = ModuleSpec(
             module=_modules()[0],
-            params={"width": self.width(m), "activation": o.activation, "mix": o.mix, "norm_bias": m.norm_bias},
+            params={"width": self.width(m), "activation": o.activation, "mix": o.mix, "norm_bias": m.norm_bias,
+                    "fuse_up": o.fuse_up},
         )
         return query_variant_attention(stock, query, column_linear)
 

@@ -15,7 +15,7 @@ from functools import cache
 
 from nlq_scale.arms.base import (
     MLPArm,
-    QueryMLPOptions,
+    NormedQueryMLPOptions,
     WeightName,
     export_recipe,
     linear_names,
@@ -23,8 +23,8 @@ from nlq_scale.arms.base import (
 )
 
 
-class PerHeadNonlinearQueryConfig(QueryMLPOptions):
-    """model.nlq_ph: f's width r (W1: d -> r, W2: r -> d) and activation."""
+class PerHeadNonlinearQueryConfig(NormedQueryMLPOptions):
+    """model.nlq_ph: f's width r (W1: d -> r, W2: r -> d), activation and fused RMSNorm."""
 
     section = "nlq_ph"
 
@@ -35,7 +35,7 @@ def _modules():
     import torch
     from megatron.core.transformer.module import MegatronModule
 
-    from nlq_scale.model.query import ParallelMLP, on_sequence_shard, to_local_heads
+    from nlq_scale.model.query import ParallelMLP, normed_mlp, on_sequence_shard, to_local_heads
     from nlq_scale.model.reference import MLP
 
     def head_rms(t, heads: int, eps: float):
@@ -48,9 +48,9 @@ def _modules():
         sequence shard (the RMSNorm and the gain replicated, f's W1/W2 split over TP), then sent to
         this rank's heads."""
 
-        def __init__(self, config, width, activation, tp_group=None, **_unused):
+        def __init__(self, config, width, activation, fuse_up, tp_group=None, **_unused):
             super().__init__(config=config)
-            d = config.hidden_size
+            d, self.fuse_up = config.hidden_size, fuse_up
             self.heads, self.eps = config.num_attention_heads, config.layernorm_epsilon
             self.norm_in = on_sequence_shard(torch.nn.RMSNorm(d, eps=self.eps, dtype=config.params_dtype), config)
             self.f = ParallelMLP(config, width, activation, tp_group)
@@ -58,7 +58,8 @@ def _modules():
             self.head_norm_gain = on_sequence_shard(gain, config)
 
         def forward(self, x):
-            correction = self.head_norm_gain * head_rms(self.f(self.norm_in(x)), self.heads, self.eps)
+            f = normed_mlp(self.norm_in, self.f, x, self.fuse_up)
+            correction = self.head_norm_gain * head_rms(f, self.heads, self.eps)
             return to_local_heads(head_rms(x, self.heads, self.eps) + correction, self.config)
 
     class ReferencePerHeadNonlinearQuery(torch.nn.Module):
@@ -90,9 +91,9 @@ class PerHeadNonlinear(MLPArm):
         return self.query_mlp_params(m) | {"nlq_head_norm_gain": m.hidden_size}
 
     def activation_elements(self, m, tokens):
-        # RMSNorm output, W2 output and its per-head-normed copy (full vectors on every rank);
-        # W1 and activation outputs (split).
-        return tokens * 3 * m.hidden_size, tokens * 2 * self.width(m)
+        # The MLP's, and W2's output and its per-head-normed copy (full vectors on every rank).
+        replicated, split = self.normed_mlp_elements(m, tokens)
+        return replicated + tokens * 2 * m.hidden_size, split
 
     def recomputed_activation_elements(self, m, tokens):
         return 0.0, 0.0  # only x (kept by linear_kv) and q (kept by the attention) stay
@@ -103,7 +104,8 @@ class PerHeadNonlinear(MLPArm):
         from nlq_scale.model.attention import query_variant_attention
 
         o = self.settings(m)
-        query = ModuleSpec(module=_modules()[0], params={"width": self.width(m), "activation": o.activation})
+        query = ModuleSpec(module=_modules()[0], params={"width": self.width(m), "activation": o.activation,
+                                                                "fuse_up": o.fuse_up})
         return query_variant_attention(stock, query, column_linear)
 
     def reference_query(self, m):

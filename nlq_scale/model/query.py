@@ -17,9 +17,18 @@ from typing import Callable
 
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
-from megatron.core.tensor_parallel.mappings import all_to_all_sp2hp, scatter_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    all_to_all_sp2hp,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
@@ -89,7 +98,47 @@ class ParallelMLP(MegatronModule):
             input_is_parallel=True, skip_bias_add=False, is_expert=False, tp_group=tp_group,
         )
 
-    def forward(self, x: Tensor) -> Tensor:
-        h, _ = self.up(x)
+    def from_hidden(self, h: Tensor) -> Tensor:
+        """down(act(h)) for h = up(x), this rank's slice of the hidden layer."""
         out, _ = self.down(self.activation(h))
         return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, _ = self.up(x)
+        return self.from_hidden(h)
+
+
+def normed_mlp(norm: torch.nn.RMSNorm, mlp: ParallelMLP, x: Tensor, fuse_up: bool) -> Tensor:
+    """mlp(norm(x)), with the norm folded into the MLP's first GEMM when fuse_up."""
+    if not fuse_up:
+        return mlp(norm(x))
+    return mlp.from_hidden(normed_up(norm, mlp.up, x))
+
+
+def normed_up(norm: torch.nn.RMSNorm, up: ColumnParallelLinear, x: Tensor) -> Tensor:
+    """up(norm(x)) with the norm folded into up's GEMM (model.nlq.fuse_up): with g the norm's gain,
+    up(norm(x)) = (x (W diag g)^T) / rms(x) + b, so the normalized x is neither written nor kept for
+    backward; W diag g is formed at every step from the unfused modules' own parameters (checkpoints,
+    export and muP classes do not change). The GEMM goes through megatron's column-parallel function
+    with up's own communication (under sequence parallelism it gathers x's shards and keeps only the
+    shard for backward); 1/rms(x) is computed where x is, and its gradient reduced as x's is."""
+    gain = norm.weight
+    if not up.sequence_parallel:
+        # This rank's W1 rows see only part of the gain's gradient: sum it over TP, so the replicated
+        # gain gets the full one on every rank (under sequence parallelism finalize_model_grads sums it).
+        gain = copy_to_tensor_model_parallel_region(gain, group=up.tp_group)
+    h = linear_with_grad_accumulation_and_async_allreduce(
+        input=x, weight=up.weight * gain, bias=None, gradient_accumulation_fusion=False,
+        allreduce_dgrad=up.allreduce_dgrad, sequence_parallel=up.sequence_parallel, tp_group=up.tp_group,
+    )
+    if up.sequence_parallel:
+        inv_rms = gather_from_sequence_parallel_region(_inv_rms(x, norm.eps), group=up.tp_group)
+    else:
+        inv_rms = _inv_rms(copy_to_tensor_model_parallel_region(x, group=up.tp_group), norm.eps)
+    h = h * inv_rms
+    return h if up.bias is None else h + up.bias
+
+
+def _inv_rms(x: Tensor, eps: float) -> Tensor:
+    """1/sqrt(mean(x^2) + eps) per token, summed in float32 as torch's RMSNorm does for half types."""
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True, dtype=torch.float32) + eps).to(x.dtype)

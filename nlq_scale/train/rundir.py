@@ -42,6 +42,8 @@ OPERATIONAL = (
     "data.num_workers",
     "data.validation",  # further validation sets: val/<name>/loss; the fixed set (val/loss) is identity
 )
+# Arm options that change how the same function of the same parameters is computed (a fused norm).
+OPERATIONAL_OPTIONS = (".fuse_up",)
 # A run is stale when its heartbeat is older than STALE_STEPS of its slowest step so far (a step
 # interval includes its evals and checkpoint saves), and never sooner than STALE_FLOOR_S.
 STALE_STEPS = 10
@@ -206,7 +208,7 @@ def claim(run_dir: Path, cfg: RunConfig, create: bool = True) -> bool:
         # a run saved by an earlier version compares by what it means, not by how it was written
         existing, wanted = yaml.safe_load(dump_run_config(read_config(run_dir))), yaml.safe_load(text)
         changed = sorted(k for k in _diff_keys(existing, wanted) if not _unused_arm_section(k, existing, wanted))
-        identity = [k for k in changed if not k.startswith(OPERATIONAL)]
+        identity = [k for k in changed if not (k.startswith(OPERATIONAL) or k.endswith(OPERATIONAL_OPTIONS))]
         if identity:
             key = identity[0]
             raise UsageError(

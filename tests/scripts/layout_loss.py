@@ -1,6 +1,8 @@
 """Rank script: the loss of reference weights loaded into a megatron GPT at a TP x PP layout (with
-sequence parallelism when SP is `sp`), through megatron's pipeline schedule, for each case; each
-case's model is also saved with dist_checkpointing to OUT's directory, `<OUT stem>.ckpt/<case index>`.
+sequence parallelism when SP is `sp`), through megatron's pipeline schedule (forward and backward),
+for each case; each case's model is also saved with dist_checkpointing to OUT's directory,
+`<OUT stem>.ckpt/<case index>`, and this rank's gradients to `<OUT stem>.grads/<case index>/<rank>.pt`
+(those of sequence-parallel parameters summed over TP, as megatron's finalize_model_grads does).
 Usage: layout_loss.py TP PP SP OUT CASE... where SP is `sp` or `-` and a CASE is a model.arm,
 optionally with overrides: `nonlinear|model.qk_norm=rms|...`."""
 
@@ -25,7 +27,7 @@ from nlq_scale.train.engine_common import lm_loss, reduce_last_stage_mean
 from tests.conftest import TINY_MODEL
 
 
-def arm_loss(case: str, tp: str, pp: str, sp: str, checkpoint: Path) -> float:
+def arm_loss(case: str, tp: str, pp: str, sp: str, checkpoint: Path, grads: Path) -> float:
     arm, *extra = case.split("|")
     layout = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.sequence_parallel={sp == 'sp'}"]
     cfg = load_run_config("124m", overrides=TINY_MODEL + [f"model.arm={arm}", *extra, *layout])
@@ -46,25 +48,33 @@ def arm_loss(case: str, tp: str, pp: str, sp: str, checkpoint: Path) -> float:
 
         return model(batch[:, :-1], positions, None), loss_func
 
-    with torch.no_grad():
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(tokens.split(2)),
-            model=[model],
-            num_microbatches=2,
-            seq_length=cfg.model.seq_length,
-            micro_batch_size=2,
-            forward_only=True,
-        )
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(tokens.split(2)),
+        model=[model],
+        num_microbatches=2,
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=2,
+        forward_only=False,
+    )
     checkpoint.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), str(checkpoint))
+    save_grads(model, grads / f"{os.environ['RANK']}.pt")
     return reduce_last_stage_mean(losses, Device(torch.device("cpu")))
+
+
+def save_grads(model: torch.nn.Module, path: Path) -> None:
+    for param in model.parameters():
+        if getattr(param, "sequence_parallel", False):
+            torch.distributed.all_reduce(param.grad, group=ps.get_tensor_model_parallel_group())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({name: param.grad for name, param in model.named_parameters()}, path)
 
 
 def main(tp: str, pp: str, sp: str, out: str, *cases: str) -> None:
     with distributed(ParallelConfig(tp=int(tp), pp=int(pp))):
-        checkpoints = Path(out).with_suffix(".ckpt")
-        losses = {case: arm_loss(case, tp, pp, sp, checkpoints / str(i)) for i, case in enumerate(cases)}
+        checkpoints, grads = Path(out).with_suffix(".ckpt"), Path(out).with_suffix(".grads")
+        losses = {case: arm_loss(case, tp, pp, sp, checkpoints / str(i), grads / str(i)) for i, case in enumerate(cases)}
     if int(os.environ["RANK"]) == 0:
         with open(out, "w") as f:
             json.dump(losses, f)
