@@ -11,9 +11,10 @@ thread count, measured in the same run (the best of a few seconds of square matm
 after the training steps).
 
 `nonlinear_fuse_up` is the nonlinear arm with model.nlq.fuse_up (its RMSNorm folded into W1's GEMM);
-`fuse_up_over_nonlinear` is what that gains. `nonlinear_recompute_query` is the nonlinear arm with parallel.recompute_query (its query MLP run
-again in backward, for activation memory); `recompute_query_over_nonlinear` is what that costs (its
-MFU counts the model's FLOPs, not the recomputation, as MFU does).
+`fuse_up_over_nonlinear` is what that gains. `nonlinear_recompute_query` is the nonlinear arm with
+parallel.recompute_query (its query MLP run again in backward, for activation memory);
+`recompute_query_over_nonlinear` is what that costs (its MFU counts the model's FLOPs, not the
+recomputation, as MFU does).
 
 Goals: nonlinear_over_linear >= 0.97, harness_over_reference >= 1.0, mfu >= 0.75 for every arm.
 """

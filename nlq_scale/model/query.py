@@ -120,21 +120,22 @@ def normed_up(norm: torch.nn.RMSNorm, up: ColumnParallelLinear, x: Tensor) -> Te
     up(norm(x)) = (x (W diag g)^T) / rms(x) + b, so the normalized x is neither written nor kept for
     backward; W diag g is formed at every step from the unfused modules' own parameters (checkpoints,
     export and muP classes do not change). The GEMM goes through megatron's column-parallel function
-    with up's own communication (under sequence parallelism it gathers x's shards and keeps only the
-    shard for backward); 1/rms(x) is computed where x is, and its gradient reduced as x's is."""
-    gain = norm.weight
-    if not up.sequence_parallel:
-        # This rank's W1 rows see only part of the gain's gradient: sum it over TP, so the replicated
-        # gain gets the full one on every rank (under sequence parallelism finalize_model_grads sums it).
+    (under sequence parallelism it gathers x's shards and keeps only the shard for backward);
+    1/rms(x) is computed on the rank's tokens and gathered with them."""
+    gain, sequence_parallel = norm.weight, up.sequence_parallel
+    if not sequence_parallel:
+        # One all-reduce over TP in backward for x's gradient (through the GEMM and through rms(x))
+        # and for the gain's, of which this rank's W1 rows see only part. Under sequence parallelism
+        # the GEMM reduce-scatters x's gradient and finalize_model_grads sums the gain's.
+        x = copy_to_tensor_model_parallel_region(x, group=up.tp_group)
         gain = copy_to_tensor_model_parallel_region(gain, group=up.tp_group)
     h = linear_with_grad_accumulation_and_async_allreduce(
         input=x, weight=up.weight * gain, bias=None, gradient_accumulation_fusion=False,
-        allreduce_dgrad=up.allreduce_dgrad, sequence_parallel=up.sequence_parallel, tp_group=up.tp_group,
+        allreduce_dgrad=False, sequence_parallel=sequence_parallel, tp_group=up.tp_group,
     )
-    if up.sequence_parallel:
-        inv_rms = gather_from_sequence_parallel_region(_inv_rms(x, norm.eps), group=up.tp_group)
-    else:
-        inv_rms = _inv_rms(copy_to_tensor_model_parallel_region(x, group=up.tp_group), norm.eps)
+    inv_rms = _inv_rms(x, norm.eps)
+    if sequence_parallel:
+        inv_rms = gather_from_sequence_parallel_region(inv_rms, group=up.tp_group)
     h = h * inv_rms
     return h if up.bias is None else h + up.bias
 
