@@ -134,5 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def run() -> None:
+    """The `nlq-scale` console script: main() in a process of its own."""
+    from nlq_scale.runtime.exit import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

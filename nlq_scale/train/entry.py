@@ -35,4 +35,6 @@ def main(argv: list[str] | None = None) -> int:
 
 # The guard matters: dist_checkpointing's save starts a multiprocessing Manager that re-imports __main__.
 if __name__ == "__main__":
-    sys.exit(main())
+    from nlq_scale.runtime.exit import exit_process
+
+    exit_process(main())
