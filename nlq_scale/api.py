@@ -29,16 +29,13 @@ def count_parameters(cfg: RunConfig | ModelConfig) -> ParamCount:
 def build_model(cfg: RunConfig):
     """The megatron-core GPT of `cfg`, whole, in this process (tensor/pipeline parallel size 1; CPU
     works). Initialises a one-rank process group and megatron's parallel state unless they exist."""
-    import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from nlq_scale.model.gpt import build_gpt
+    from nlq_scale.model.gpt import build_gpt, seed_init
     from nlq_scale.runtime.dist import DistEnv, init_distributed
 
     single = ParallelConfig()
     if not ps.model_parallel_is_initialized():
         init_distributed(DistEnv(0, 1, 0, 1, "127.0.0.1", 0), single)
-    torch.manual_seed(cfg.seed)
-    model_parallel_cuda_manual_seed(cfg.seed)
+    seed_init(cfg.seed)
     return build_gpt(cfg.model, single)

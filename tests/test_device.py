@@ -188,3 +188,56 @@ def test_each_device_bug_put_back_fails_the_check(name, sample_dataset, tmp_path
     r = train(tmp_path / "run", sample_dataset, *extra, nproc=nproc, package_root=copy)
     assert r.returncode != 0, f"{name}: the mutated run passed the device check"
     assert "device check:" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+
+
+def _first_loss_after_host_draws(make_engine, cfg, tokens, host_seed: int) -> float:
+    torch.manual_seed(host_seed)  # whatever drew from the host generator before the engine
+    return make_engine(cfg).train_step(tokens).loss
+
+
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
+def test_initial_weights_do_not_hang_on_the_host_generator(engine, monkeypatch):
+    """On a GPU megatron's seeding reaches CUDA's generators only, while the norms, position
+    embeddings and arm modules are initialised on the host: each engine must seed the host
+    generator itself (an H200 run started every process from other weights until it did)."""
+    from nlq_scale.config.schema import ParallelConfig
+    from nlq_scale.runtime.dist import distributed
+    from tests.scripts import deepspeed_engine as script
+
+    with distributed(ParallelConfig()):
+        for namespace in (torch.cuda, torch.cuda.random):  # as with CUDA: seeding it leaves the host alone
+            monkeypatch.setattr(namespace, "manual_seed", lambda *_a, **_k: None)
+        cfg = script.config(["train.steps=1"])
+        tokens = script.batches(cfg, 1, seed=0)[0]
+        make = getattr(script, f"{engine}_engine")
+        losses = {_first_loss_after_host_draws(make, cfg, tokens, host_seed) for host_seed in (1, 2)}
+    assert len(losses) == 1, f"{engine}: the first loss depends on the host generator's earlier state: {losses}"
+
+
+def test_deterministic_kernels_on_cuda_only_and_for_the_block_only(monkeypatch):
+    """runtime.deterministic: torch's deterministic algorithms, a fixed cuBLAS workspace (unless the
+    user set one) and megatron's deterministic_mode, on CUDA; the CPU path is left as it is."""
+    import os
+
+    from nlq_scale.config.schema import RunConfig
+    from nlq_scale.model.gpt import transformer_config
+    from nlq_scale.runtime.device import Device, deterministic_kernels
+
+    cuda, cpu = Device(torch.device("cuda", 0)), Device(torch.device("cpu"))  # no CUDA call is made
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # so that monkeypatch removes what the block sets
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    for device, enabled in ((cpu, True), (cuda, False)):
+        with deterministic_kernels(device, enabled):
+            assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_kernels(cuda, True):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with deterministic_kernels(cuda, True):
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    cfg = RunConfig()
+    assert RunConfig().runtime.deterministic
+    assert transformer_config(cfg.model, cfg.parallel, cuda.torch_device, deterministic=True).deterministic_mode
+    assert not transformer_config(cfg.model, cfg.parallel, cuda.torch_device, deterministic=False).deterministic_mode
+    assert not transformer_config(cfg.model, cfg.parallel, cpu.torch_device, deterministic=True).deterministic_mode

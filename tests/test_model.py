@@ -19,11 +19,9 @@ def single_rank():
 
 
 def build_model(cfg, seed: int = 7):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from nlq_scale.model.gpt import build_gpt, seed_init
 
-    from nlq_scale.model.gpt import build_gpt
-
-    model_parallel_cuda_manual_seed(seed)
+    seed_init(seed)
     return build_gpt(cfg.model, cfg.parallel)
 
 

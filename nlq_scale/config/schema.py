@@ -288,6 +288,12 @@ class RuntimeConfig(Strict):
         description="CPU only: treat tensors made without an explicit device as host tensors and fail on any "
         "host/device mix or host tensor in a collective, as CUDA would (a placement check for CI)",
     )
+    deterministic: bool = Field(
+        True,
+        description="CUDA: deterministic kernels (torch.use_deterministic_algorithms, a fixed cuBLAS workspace, "
+        "megatron's deterministic_mode), so a resumed run repeats the uninterrupted one bit for bit; false is "
+        "faster and a resume then matches only to rounding. The CPU is deterministic either way",
+    )
 
 
 def _sequences_from_tokens(section: Strict, key: str, tokens: int | None, seq_length: int) -> None:

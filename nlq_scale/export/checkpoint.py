@@ -61,12 +61,10 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Checkpoint:
 def load_harness_model(ckpt: Checkpoint) -> torch.nn.Module:
     """The megatron GPT of the checkpoint at TP = PP = 1 in this process, in eval mode. Call inside
     `nlq_scale.runtime.dist.distributed(ParallelConfig(), device="cpu")`."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from nlq_scale.model.gpt import build_gpt
+    from nlq_scale.model.gpt import build_gpt, seed_init
     from nlq_scale.train.engine_deepspeed import SHARDING_FILE
 
-    model_parallel_cuda_manual_seed(ckpt.cfg.seed)
+    seed_init(ckpt.cfg.seed)
     model = build_gpt(ckpt.cfg.model, ckpt.cfg.parallel, device=torch.device("cpu"))
     untrusted.check_metadata(ckpt.path)
     deepspeed = (ckpt.path / SHARDING_FILE).is_file()

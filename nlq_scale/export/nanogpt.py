@@ -122,10 +122,9 @@ def reference_state(state: dict[str, Tensor], cfg: RunConfig, arm: Arm) -> dict[
 def import_checkpoint(path: Path, run_dir: Path, mode: str | None, heads: int | None) -> Path:
     """Their checkpoint as `run_dir` (which must not exist or be empty); returns the checkpoint dir."""
     from megatron.core import dist_checkpointing
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from nlq_scale.config.schema import ParallelConfig
-    from nlq_scale.model.gpt import build_gpt
+    from nlq_scale.model.gpt import build_gpt, seed_init
     from nlq_scale.model.reference import ReferenceGPT, load_into_megatron
     from nlq_scale.runtime.dist import distributed
     from nlq_scale.train.checkpoint import CheckpointDir
@@ -143,7 +142,7 @@ def import_checkpoint(path: Path, run_dir: Path, mode: str | None, heads: int | 
         detail = str(e).splitlines()[-1].strip()
         raise UsageError(f"{path}: weights do not fit the {arm.nanogpt_mode} mode ({detail})") from None
     with distributed(ParallelConfig(), device="cpu"):
-        model_parallel_cuda_manual_seed(cfg.seed)
+        seed_init(cfg.seed)
         model = build_gpt(cfg.model, cfg.parallel, device=torch.device("cpu"))
         load_into_megatron(model, ref)
         claim(run_dir, cfg)

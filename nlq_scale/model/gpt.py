@@ -39,9 +39,12 @@ def softmax_scale(m: ModelConfig) -> float:
     return arms.get(m.arm).softmax_scale(m) * mup.attention_multiplier(m)
 
 
-def transformer_config(m: ModelConfig, p: ParallelConfig, device: torch.device | None = None) -> NLQTransformerConfig:
+def transformer_config(
+    m: ModelConfig, p: ParallelConfig, device: torch.device | None = None, deterministic: bool = False
+) -> NLQTransformerConfig:
     """`device`: where the model will compute (None: CUDA when available). On CUDA megatron creates
-    its weights on the current device; fused kernels are asked for only where they are installed."""
+    its weights on the current device; fused kernels are asked for only where they are installed.
+    `deterministic` (runtime.deterministic) picks megatron's deterministic code paths on CUDA."""
     from nlq_scale.runtime.kernels import probe
 
     on_gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
@@ -85,6 +88,9 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, device: torch.device |
         masked_softmax_fusion=on_gpu and kernels.fused_softmax,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        # The embedding's gradient through indexing, which torch's deterministic mode sums in a fixed
+        # order (F.embedding's CUDA backward does not promise one). The CPU path stays as it is.
+        deterministic_mode=on_gpu and deterministic,
         **_recompute(p),
     )
 
@@ -157,15 +163,28 @@ def block_spec(m: ModelConfig, config: TransformerConfig) -> ModuleSpec | Transf
     )
 
 
+def seed_init(seed: int) -> None:
+    """Seed every generator the initial weights draw from. megatron's model_parallel_cuda_manual_seed
+    seeds CUDA's only, but megatron's torch norms, the position embeddings and the arms' torch.nn
+    modules are made (and initialised) on the host. On the CPU the shim routes CUDA's seed to the
+    host generator, so only a GPU run showed the difference: every process started from other
+    weights (measured on an H200)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
 def build_gpt(
     m: ModelConfig,
     p: ParallelConfig,
     pre_process: bool = True,
     post_process: bool = True,
     device: torch.device | None = None,
+    deterministic: bool = False,
 ) -> GPTModel:
     """This pipeline stage's GPT. Call after parallel_state is initialised and the RNG seeded."""
-    config = transformer_config(m, p, device)
+    config = transformer_config(m, p, device, deterministic)
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(m, config),

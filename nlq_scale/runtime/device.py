@@ -9,8 +9,10 @@ driver mismatch on a GPU node can never train on the CPU by accident.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -48,6 +50,26 @@ class Device:
     def peak_memory_bytes(self) -> int | None:
         """Peak allocated device memory since the last reset (CUDA only; None on CPU)."""
         return torch.cuda.max_memory_allocated(self.torch_device) if self.is_cuda else None
+
+
+@contextlib.contextmanager
+def deterministic_kernels(device: Device, enabled: bool) -> Iterator[None]:
+    """runtime.deterministic, for the block: on CUDA, kernels that sum in a fixed order, so a run
+    resumed from a checkpoint can repeat the uninterrupted run bit for bit (atomics-based CUDA
+    kernels, such as F.embedding's backward, sum in arrival order). The CPU kernels are
+    deterministic already."""
+    if not (enabled and device.is_cuda):
+        yield
+        return
+    previous = torch.are_deterministic_algorithms_enabled()
+    # cuBLAS repeats its sums only with a fixed workspace per stream; it reads this when a handle is
+    # made, which is after this point (no matrix product has run yet).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def cuda_report() -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import RunFailure, UsageError
+from nlq_scale.runtime.device import deterministic_kernels
 from nlq_scale.runtime.dist import World, detect_env, distributed
 from nlq_scale.runtime.quiet import quiet_libraries
 from nlq_scale.train.rundir import Status, claim
@@ -34,7 +35,11 @@ def train_run(cfg: RunConfig, run_dir: Path) -> str:
     run_dir = Path(run_dir)
     env = detect_env()
     claim(run_dir, cfg, create=env.rank == 0)  # every rank refuses a conflicting run dir up front
-    with distributed(cfg.parallel, env, cfg.runtime.device) as world, placement_checked(cfg, world):
+    with (
+        distributed(cfg.parallel, env, cfg.runtime.device) as world,
+        placement_checked(cfg, world),
+        deterministic_kernels(world.device, cfg.runtime.deterministic),
+    ):
         trainer = None
         try:
             trainer = Trainer(cfg, run_dir, world)

@@ -25,7 +25,6 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from torch import Tensor
 
@@ -34,7 +33,7 @@ from nlq_scale.compat import megatron as megatron_compat
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
 from nlq_scale.model import mup
-from nlq_scale.model.gpt import build_gpt
+from nlq_scale.model.gpt import build_gpt, seed_init
 from nlq_scale.runtime import cpu_shim
 from nlq_scale.runtime.device import Device
 from nlq_scale.train.engine_common import (
@@ -188,10 +187,12 @@ class DeepSpeedEngine:
         cpu_shim.apply_deepspeed()
         import deepspeed
 
-        model_parallel_cuda_manual_seed(self.cfg.seed)
+        seed_init(self.cfg.seed)
         # DeepSpeed moves the module to its accelerator's current device, which init_distributed set
         # to this Device; moving it here first keeps that explicit (and checked by check_device).
-        model = build_gpt(self.cfg.model, self.cfg.parallel, device=self.device.torch_device).to(self.device.torch_device)
+        model = build_gpt(
+            self.cfg.model, self.cfg.parallel, device=self.device.torch_device, deterministic=self.cfg.runtime.deterministic
+        ).to(self.device.torch_device)
         # DeepSpeed saves this with the model states, where ds_to_universal looks for it.
         model.universal_checkpoint_info = universal_checkpoint_info(model)
         with _quiet():

@@ -18,14 +18,13 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from torch import Tensor
 
 from nlq_scale.compat import megatron as megatron_compat
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.model import mup
-from nlq_scale.model.gpt import build_gpt
+from nlq_scale.model.gpt import build_gpt, seed_init
 from nlq_scale.runtime.device import Device
 from nlq_scale.train.engine_common import (
     EvalStats,
@@ -89,13 +88,14 @@ class MegatronEngine:
     def __init__(self, cfg: RunConfig, device: Device) -> None:
         self.cfg, self.device = cfg, device
         t = cfg.train
-        model_parallel_cuda_manual_seed(cfg.seed)
+        seed_init(cfg.seed)
         model = build_gpt(
             cfg.model,
             cfg.parallel,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
             device=device.torch_device,
+            deterministic=cfg.runtime.deterministic,
         )
         # Before DDP and the optimizer: megatron's torch norms and the arms' torch.nn modules are
         # created on the host even when megatron's own weights start on the GPU.

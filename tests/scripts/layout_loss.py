@@ -15,11 +15,10 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from nlq_scale.config import load_run_config
 from nlq_scale.config.schema import ParallelConfig
-from nlq_scale.model.gpt import build_gpt
+from nlq_scale.model.gpt import build_gpt, seed_init
 from nlq_scale.model.reference import ReferenceGPT, load_into_megatron
 from nlq_scale.runtime.device import Device
 from nlq_scale.runtime.dist import distributed
@@ -31,7 +30,7 @@ def arm_loss(case: str, tp: str, pp: str, sp: str, checkpoint: Path, grads: Path
     arm, *extra = case.split("|")
     layout = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.sequence_parallel={sp == 'sp'}"]
     cfg = load_run_config("124m", overrides=TINY_MODEL + [f"model.arm={arm}", *extra, *layout])
-    model_parallel_cuda_manual_seed(7)
+    seed_init(7)
     model = build_gpt(cfg.model, cfg.parallel, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
     torch.manual_seed(0)
     load_into_megatron(model, ReferenceGPT(cfg.model))
