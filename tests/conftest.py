@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -50,34 +52,70 @@ def nlq(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess
     )
 
 
+PORT_TAKEN = "address already in use"
+
+
 def run_ranks(script: str, nproc: int, *args: str, timeout: float = 600) -> None:
-    """Run tests/scripts/<script> as `nproc` gloo ranks; fail with the ranks' output otherwise."""
+    """Run tests/scripts/<script> as `nproc` gloo ranks; fail with the ranks' output otherwise.
+
+    A rank that fails stops the others at once (a lone rank would wait for its peers until the
+    timeout). free_port's port can be taken before rank 0 binds it (by another test's client
+    socket): that start is retried once on a new port."""
+    for attempt in (1, 2):
+        problem, outputs = _run_ranks_once(script, nproc, args, timeout)
+        if problem is None:
+            return
+        if attempt == 1 and any(PORT_TAKEN in out.lower() for out in outputs):
+            continue
+        tails = "\n".join(f"--- rank {i}\n{out[-3000:]}" for i, out in enumerate(outputs))
+        pytest.fail(f"{script}: {problem}:\n{tails}")
+
+
+def _run_ranks_once(script: str, nproc: int, args: tuple[str, ...], timeout: float) -> tuple[str | None, list[str]]:
     from nlq_scale.runtime.dist import free_port
     from nlq_scale.runtime.launch import rank_env
 
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPTS / script), *args],
-            env=rank_env(r, nproc, port) | {"PYTHONPATH": str(REPO)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(nproc)
-    ]
-    outputs = []
+    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+        files = [open(Path(logs) / f"rank{r}.log", "w+") for r in range(nproc)]  # a pipe could fill and block
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / script), *args],
+                env=rank_env(r, nproc, port) | {"PYTHONPATH": str(REPO)},
+                stdout=files[r],
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(nproc)
+        ]
+        problem = _wait_ranks(procs, timeout)
+        outputs = []
+        for f in files:
+            f.seek(0)
+            outputs.append(f.read())
+            f.close()
+    return problem, outputs
+
+
+def _wait_ranks(procs: list[subprocess.Popen], timeout: float) -> str | None:
+    """None when every rank exits 0; else what went wrong, with every rank stopped."""
+    deadline = time.monotonic() + timeout
+    problem = None
+    while problem is None and any(p.poll() is None for p in procs):
+        failed = [f"rank {i} exited {p.returncode}" for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if failed:
+            problem = ", ".join(failed)
+        elif time.monotonic() > deadline:
+            problem = f"ranks still running after {timeout:.0f} s"
+        else:
+            time.sleep(0.2)
     for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outputs.append(out)
-    if any(p.returncode for p in procs):
-        tails = "\n".join(f"--- rank {i} (exit {p.returncode})\n{o[-3000:]}" for i, (p, o) in enumerate(zip(procs, outputs)))
-        pytest.fail(f"{script} failed:\n{tails}")
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    if problem is None and any(p.returncode for p in procs):
+        problem = ", ".join(f"rank {i} exited {p.returncode}" for i, p in enumerate(procs) if p.returncode)
+    return problem
 
 
 @pytest.fixture(scope="session")
