@@ -52,31 +52,12 @@ def nlq(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess
     )
 
 
-PORT_TAKEN = "address already in use"
-
-
 def run_ranks(script: str, nproc: int, *args: str, timeout: float = 600) -> None:
     """Run tests/scripts/<script> as `nproc` gloo ranks; fail with the ranks' output otherwise.
+    A rank that fails stops the others at once (a lone rank would wait for its peers until the timeout)."""
+    from nlq_scale.runtime.launch import hosted_store, rank_env
 
-    A rank that fails stops the others at once (a lone rank would wait for its peers until the
-    timeout). free_port's port can be taken before rank 0 binds it (by another test's client
-    socket): that start is retried once on a new port."""
-    for attempt in (1, 2):
-        problem, outputs = _run_ranks_once(script, nproc, args, timeout)
-        if problem is None:
-            return
-        if attempt == 1 and any(PORT_TAKEN in out.lower() for out in outputs):
-            continue
-        tails = "\n".join(f"--- rank {i}\n{out[-3000:]}" for i, out in enumerate(outputs))
-        pytest.fail(f"{script}: {problem}:\n{tails}")
-
-
-def _run_ranks_once(script: str, nproc: int, args: tuple[str, ...], timeout: float) -> tuple[str | None, list[str]]:
-    from nlq_scale.runtime.dist import free_port
-    from nlq_scale.runtime.launch import rank_env
-
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+    with tempfile.TemporaryDirectory(prefix="ranks-") as logs, hosted_store() as port:
         files = [open(Path(logs) / f"rank{r}.log", "w+") for r in range(nproc)]  # a pipe could fill and block
         procs = [
             subprocess.Popen(
@@ -94,7 +75,9 @@ def _run_ranks_once(script: str, nproc: int, args: tuple[str, ...], timeout: flo
             f.seek(0)
             outputs.append(f.read())
             f.close()
-    return problem, outputs
+    if problem is not None:
+        tails = "\n".join(f"--- rank {i}\n{out[-3000:]}" for i, out in enumerate(outputs))
+        pytest.fail(f"{script}: {problem}:\n{tails}")
 
 
 def _wait_ranks(procs: list[subprocess.Popen], timeout: float) -> str | None:

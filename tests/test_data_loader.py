@@ -5,7 +5,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ from nlq_scale.data.loader import (
 )
 from nlq_scale.data.prepared import CorruptShard
 from nlq_scale.errors import UsageError
+from nlq_scale.runtime.launch import hosted_store, rank_env
 from tests.test_data_helpers import documents, write_jsonl
 
 SEQ = 32
@@ -341,13 +341,14 @@ def test_corrupted_shard_named_from_a_worker(dataset, tmp_path):
 
 
 RANK = textwrap.dedent("""
-    import datetime, itertools, json, sys
+    import itertools, json, sys
     from pathlib import Path
     import torch, torch.distributed as dist
-    from nlq_scale.config.schema import DataConfig
+    from nlq_scale.config.schema import DataConfig, ParallelConfig
     from nlq_scale.data.loader import batch_digest, make_train_loader
+    from nlq_scale.runtime.dist import detect_env, init_distributed
     path, tmp, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    init_distributed(detect_env(), ParallelConfig(), device="cpu", timeout_min=1)
     rank = dist.get_rank()
     def build():
         return make_train_loader(DataConfig(path=path, seed=3), seq_length=32, rank_batch_size=8, dp_rank=rank,
@@ -368,12 +369,6 @@ RANK = textwrap.dedent("""
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_match_one_and_resume_on_one(dataset, tmp_path):
     data = DataConfig(path=str(dataset), seed=3)
@@ -381,14 +376,14 @@ def test_two_processes_match_one_and_resume_on_one(dataset, tmp_path):
     steps = ref.steps_per_epoch + 3
     reference = digests(ref, steps + 10)
     ref.close()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    procs = [
-        subprocess.Popen([sys.executable, "-c", RANK, str(dataset), str(tmp_path / "job"), str(steps)],
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=REPO,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]
-    outputs = [p.communicate(timeout=180) for p in procs]
+    with hosted_store() as port:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", RANK, str(dataset), str(tmp_path / "job"), str(steps)],
+                             env=rank_env(r, 2, port), cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(2)
+        ]
+        outputs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
     result = json.loads(outputs[0][0].splitlines()[-1])
     assert result["marker"] == 42.0

@@ -429,3 +429,23 @@ def test_run_files_are_named_only_by_the_rundir_module():
         found += [f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
                   if isinstance(node, ast.Constant) and node.value in names]
     assert not found, "\n".join(found)
+
+
+def test_local_ranks_join_a_store_whose_port_the_launcher_holds(monkeypatch):
+    """`--nproc` ranks (and the tests' rank scripts) join a rendezvous store the launcher serves on
+    a port the OS gave it: nothing can take that port before rank 0 starts. A port found free and
+    bound later by rank 0 was taken in between once in CI (rank 0 failed, rank 1 waited 600 s)."""
+    import socket
+
+    from nlq_scale.runtime.dist import detect_env
+    from nlq_scale.runtime.launch import hosted_store, rank_env
+
+    with hosted_store() as port:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        for key, value in rank_env(1, 2, port).items():
+            monkeypatch.setenv(key, value)
+        env = detect_env()
+    assert (env.rank, env.world_size, env.master_port, env.store_hosted) == (1, 2, port, True)
+    monkeypatch.delenv("NLQ_SCALE_STORE_HOSTED")
+    assert not detect_env().store_hosted  # torchrun, submitit, srun: rank 0 serves it

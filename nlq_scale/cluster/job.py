@@ -69,11 +69,12 @@ class TrainJob(submitit.helpers.Checkpointable):
         self.train_fn = train_fn
 
     def __call__(self) -> str:
-        from nlq_scale.runtime.dist import job_master_port
+        from nlq_scale.runtime.dist import STORE_HOSTED, job_master_port
 
         env = submitit.JobEnvironment()
         # submitit would draw the port from 20000-60000, mostly inside the ephemeral range.
         os.environ["MASTER_PORT"] = str(job_master_port(env.job_id))
+        os.environ.pop(STORE_HOSTED, None)  # this job's rank 0 serves the store, whatever the submitter had
         # The runtime picks its device from LOCAL_RANK, so every GPU of the node stays visible.
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         cfg = RunConfig.model_validate(self.config)

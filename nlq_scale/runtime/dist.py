@@ -29,6 +29,9 @@ class DistEnv:
     local_world_size: int
     master_addr: str
     master_port: int
+    # The launcher already serves the rendezvous store at master_addr:master_port (launch.hosted_store),
+    # so rank 0 joins it as a client instead of binding the port itself.
+    store_hosted: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -52,6 +55,9 @@ class World:
     pp_rank: int
     dp_rank: int
     device: Device
+
+
+STORE_HOSTED = "NLQ_SCALE_STORE_HOSTED"
 
 
 def free_port() -> int:
@@ -86,6 +92,7 @@ def detect_env() -> DistEnv:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
+            store_hosted=env.get(STORE_HOSTED) == "1",
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # plain srun, one task per rank
         job = env.get("SLURM_JOB_ID", "0")
@@ -112,6 +119,14 @@ def export_env(env: DistEnv) -> None:
     )
 
 
+def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
+    if env.world_size == 1:  # no rendezvous: an in-memory store avoids racing other jobs for a port
+        return {"store": dist.HashStore()}
+    if env.store_hosted:
+        return {"store": dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)}
+    return {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+
+
 def init_distributed(env: DistEnv, parallel: ParallelConfig, device: str = "auto", timeout_min: int = 30) -> World:
     """`device` is runtime.device; it is resolved (and CUDA checked) before anything else starts."""
     from megatron.core import parallel_state as ps
@@ -123,14 +138,9 @@ def init_distributed(env: DistEnv, parallel: ParallelConfig, device: str = "auto
     if compute.is_cuda:
         torch.cuda.set_device(compute.torch_device)
     if not dist.is_initialized():
-        # One process needs no rendezvous: an in-memory store avoids racing other jobs for a port.
-        rendezvous = (
-            {"store": dist.HashStore()}
-            if env.world_size == 1
-            else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
-        )
+        timeout = timedelta(minutes=timeout_min)
         dist.init_process_group(
-            backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=timeout_min), **rendezvous
+            backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **_rendezvous(env, timeout)
         )
     if env.world_size % (parallel.tp * parallel.pp):
         raise ValueError(f"world size {env.world_size} not divisible by tp*pp = {parallel.tp * parallel.pp}")

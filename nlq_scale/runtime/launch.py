@@ -3,47 +3,67 @@ signals to them, and stop the rest when one fails."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Iterator
 
-from nlq_scale.runtime.dist import free_port
+import torch.distributed as dist
+
+from nlq_scale.runtime.dist import STORE_HOSTED
 from nlq_scale.train.signals import STOP_SIGNALS
+
+LOCALHOST = "127.0.0.1"
+
+
+@contextlib.contextmanager
+def hosted_store() -> Iterator[int]:
+    """The ranks' rendezvous store, served by the launcher on a port the OS gives it for the block;
+    yields the port. A port found free and bound later by rank 0 can be taken in between by any
+    outgoing connection on the machine (EADDRINUSE); this one is never let go."""
+    store = dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
 
 
 def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """The environment of local rank `rank` of `nproc`, joining the store hosted_store serves on `port`."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
     return os.environ | {
         "RANK": str(rank),
         "WORLD_SIZE": str(nproc),
         "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(nproc),
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": LOCALHOST,
         "MASTER_PORT": str(port),
+        STORE_HOSTED: "1",
         "OMP_NUM_THREADS": str(threads),
     }
 
 
 def launch_local(python_args: list[str], nproc: int, grace_s: float = 30.0) -> int:
     """Run `python <python_args...>` as ranks 0..nproc-1; returns the worst exit code."""
-    port = free_port()
-    children = [
-        subprocess.Popen([sys.executable, *python_args], env=rank_env(r, nproc, port)) for r in range(nproc)
-    ]
+    with hosted_store() as port:
+        children = [
+            subprocess.Popen([sys.executable, *python_args], env=rank_env(r, nproc, port)) for r in range(nproc)
+        ]
 
-    def forward(signum: int, _frame: object) -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+        def forward(signum: int, _frame: object) -> None:
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-    try:
-        return _wait(children, grace_s)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+        try:
+            return _wait(children, grace_s)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _wait(children: list[subprocess.Popen], grace_s: float) -> int:

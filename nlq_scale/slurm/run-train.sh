@@ -14,7 +14,7 @@ NLQ_SCALE=${NLQ_SCALE:-nlq-scale}
 mkdir -p "$RUN_DIR"
 # Ranks come from SLURM_PROCID/SLURM_NTASKS; MASTER_ADDR is the first node, the port derives from the job id.
 # torchrun-style variables inherited from the submitting shell (sbatch exports it) would override them.
-unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT NLQ_SCALE_STORE_HOSTED
 srun --kill-on-bad-exit=1 "$NLQ_SCALE" train --run-dir "$RUN_DIR" "$@" || true
 state=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get("state", "unknown"))' \
         "$RUN_DIR/status.json" 2>/dev/null || echo unknown)
