@@ -123,7 +123,8 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dict:
     if env.world_size == 1:  # no rendezvous: an in-memory store avoids racing other jobs for a port
         return {"store": dist.HashStore()}
     if env.store_hosted:
-        return {"store": dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)}
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+        return {"store": store}
     return {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
 
 

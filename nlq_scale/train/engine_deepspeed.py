@@ -190,9 +190,8 @@ class DeepSpeedEngine:
         seed_init(self.cfg.seed)
         # DeepSpeed moves the module to its accelerator's current device, which init_distributed set
         # to this Device; moving it here first keeps that explicit (and checked by check_device).
-        model = build_gpt(
-            self.cfg.model, self.cfg.parallel, device=self.device.torch_device, deterministic=self.cfg.runtime.deterministic
-        ).to(self.device.torch_device)
+        cfg, device = self.cfg, self.device.torch_device
+        model = build_gpt(cfg.model, cfg.parallel, device=device, deterministic=cfg.runtime.deterministic).to(device)
         # DeepSpeed saves this with the model states, where ds_to_universal looks for it.
         model.universal_checkpoint_info = universal_checkpoint_info(model)
         with _quiet():
