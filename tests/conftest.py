@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -55,7 +54,7 @@ def nlq(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess
 def run_ranks(script: str, nproc: int, *args: str, timeout: float = 600) -> None:
     """Run tests/scripts/<script> as `nproc` gloo ranks; fail with the ranks' output otherwise.
     A rank that fails stops the others at once (a lone rank would wait for its peers until the timeout)."""
-    from nlq_scale.runtime.launch import hosted_store, rank_env
+    from nlq_scale.runtime.launch import hosted_store, rank_env, wait_ranks
 
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs, hosted_store() as port:
         files = [open(Path(logs) / f"rank{r}.log", "w+") for r in range(nproc)]  # a pipe could fill and block
@@ -69,36 +68,17 @@ def run_ranks(script: str, nproc: int, *args: str, timeout: float = 600) -> None
             )
             for r in range(nproc)
         ]
-        problem = _wait_ranks(procs, timeout)
+        code = wait_ranks(procs, grace_s=10, timeout_s=timeout)
         outputs = []
         for f in files:
             f.seek(0)
             outputs.append(f.read())
             f.close()
-    if problem is not None:
+    if code != 0:
+        exits = ", ".join(f"rank {i} exited {p.returncode}" for i, p in enumerate(procs) if p.returncode)
+        problem = f"ranks still running after {timeout:.0f} s" if code is None else exits
         tails = "\n".join(f"--- rank {i}\n{out[-3000:]}" for i, out in enumerate(outputs))
         pytest.fail(f"{script}: {problem}:\n{tails}")
-
-
-def _wait_ranks(procs: list[subprocess.Popen], timeout: float) -> str | None:
-    """None when every rank exits 0; else what went wrong, with every rank stopped."""
-    deadline = time.monotonic() + timeout
-    problem = None
-    while problem is None and any(p.poll() is None for p in procs):
-        failed = [f"rank {i} exited {p.returncode}" for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-        if failed:
-            problem = ", ".join(failed)
-        elif time.monotonic() > deadline:
-            problem = f"ranks still running after {timeout:.0f} s"
-        else:
-            time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    if problem is None and any(p.returncode for p in procs):
-        problem = ", ".join(f"rank {i} exited {p.returncode}" for i, p in enumerate(procs) if p.returncode)
-    return problem
 
 
 @pytest.fixture(scope="session")

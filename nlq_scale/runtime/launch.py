@@ -60,18 +60,23 @@ def launch_local(python_args: list[str], nproc: int, grace_s: float = 30.0) -> i
 
         previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
         try:
-            return _wait(children, grace_s)
+            return wait_ranks(children, grace_s)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
 
-def _wait(children: list[subprocess.Popen], grace_s: float) -> int:
+def wait_ranks(children: list[subprocess.Popen], grace_s: float, timeout_s: float | None = None) -> int | None:
+    """Wait for the ranks, stopping the rest once one fails; the worst exit code, or None when
+    `timeout_s` passed first (every rank is stopped then too)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while any(c.poll() is None for c in children):
-        failed = [c for c in children if c.returncode not in (None, 0)]
-        if failed:
+        if any(c.returncode not in (None, 0) for c in children):
             _stop(children, grace_s)
             break
+        if deadline is not None and time.monotonic() > deadline:
+            _stop(children, grace_s)
+            return None
         time.sleep(0.2)
     return max(abs(c.wait()) for c in children)
 
