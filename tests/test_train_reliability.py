@@ -434,7 +434,7 @@ def test_run_files_are_named_only_by_the_rundir_module():
 def test_local_ranks_join_a_store_whose_port_the_launcher_holds(monkeypatch):
     """`--nproc` ranks (and the tests' rank scripts) join a rendezvous store the launcher serves on
     a port the OS gave it: nothing can take that port before rank 0 starts. A port found free and
-    bound later by rank 0 was taken in between once in CI (rank 0 failed, rank 1 waited 600 s)."""
+    bound later by rank 0 can be taken in between (the likely cause of a 600 s hang of two ranks in CI)."""
     import socket
 
     from nlq_scale.runtime.dist import detect_env
