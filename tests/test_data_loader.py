@@ -223,7 +223,7 @@ def test_bad_dataset_paths_and_shapes(dataset, tmp_path):
         loader(DataConfig(path=str(dataset)), tmp_path, 100_000)
     with pytest.raises(UsageError, match="num_canonical_nodes"):
         loader(DataConfig(path=str(dataset), num_canonical_nodes=2), tmp_path, 4, 0, 3)
-    assert not list((tmp_path / "streaming").iterdir())
+    assert not (tmp_path / "streaming").exists()
 
 
 def test_missing_and_corrupted_shards_are_named(dataset, tmp_path):
@@ -275,9 +275,10 @@ def test_close_releases_only_its_own_shared_memory(dataset, tmp_path):
     gone.close()
     gone.close()
     assert segments(mine) == [] and not private.exists()
-    assert segments(theirs) and digests(keep, 2)
+    assert segments(theirs) and digests(keep, 2) and keep._ownership.private.exists()
     keep.close()
     assert segments(theirs) == []
+    assert not (tmp_path / "streaming").exists()  # the last loader out removes the shared root
 
 
 CHILD = textwrap.dedent("""

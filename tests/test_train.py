@@ -90,6 +90,14 @@ def test_named_validation_set_is_logged_beside_the_main_one(uninterrupted):
 
 
 @pytest.mark.slow
+def test_a_finished_run_leaves_no_node_scratch(uninterrupted):
+    """streaming's lock dirs live in node-local scratch private to the run: the last rank out removes it."""
+    from nlq_scale.train.feed import job_tmp_dir
+
+    assert not job_tmp_dir(uninterrupted[1]).exists()
+
+
+@pytest.mark.slow
 def test_sigkill_and_relaunch_is_bit_exact(uninterrupted, sample_dataset, tmp_path):
     engine, uninterrupted = uninterrupted
     run_dir = tmp_path / "killed"

@@ -148,9 +148,20 @@ def reclaim_stale(root: Path) -> None:
 
 def private_dir(tmp_dir: Path, dp_rank: int) -> Path:
     root = Path(tmp_dir) / "streaming"
-    root.mkdir(parents=True, exist_ok=True)
-    reclaim_stale(root)
-    return Path(tempfile.mkdtemp(prefix=f"{_host()}.{os.getpid()}.dp{dp_rank}.", dir=root))
+    while True:
+        root.mkdir(parents=True, exist_ok=True)
+        reclaim_stale(root)
+        try:
+            return Path(tempfile.mkdtemp(prefix=f"{_host()}.{os.getpid()}.dp{dp_rank}.", dir=root))
+        except FileNotFoundError:  # the last loader of an earlier process removed the empty root just now
+            continue
+
+
+def remove_private_dir(private: Path) -> None:
+    """Remove a loader's private dir, and the streaming root with it once no other loader has one."""
+    shutil.rmtree(private, ignore_errors=True)
+    with contextlib.suppress(OSError):  # not empty: another loader on this node still uses it
+        private.parent.rmdir()
 
 
 @dataclass
@@ -187,7 +198,7 @@ class Ownership:
             # streaming registered cleanup() at exit; a second unlink by name could hit a segment
             # that another job created under the same prefix after this one was released
             atexit.unregister(wrapper.cleanup)
-        shutil.rmtree(self.private, ignore_errors=True)
+        remove_private_dir(self.private)
 
 
 def _mark_occupied_prefixes(private: Path) -> None:
@@ -253,6 +264,6 @@ def open_train_dataset(
             else:
                 raise RuntimeError(f"no free streaming shared-memory prefix after {PREFIX_RETRIES} attempts")
     except BaseException:
-        shutil.rmtree(private, ignore_errors=True)
+        remove_private_dir(private)
         raise
     return dataset, Ownership.record(private, dataset)

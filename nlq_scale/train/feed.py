@@ -3,6 +3,7 @@ to the tensor/pipeline-parallel peers, so every peer of a model replica sees the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import tempfile
 from pathlib import Path
@@ -21,11 +22,10 @@ def _is_loader(world: World) -> bool:
 
 
 def job_tmp_dir(run_dir: Path) -> Path:
-    """Node-local scratch for streaming's locks, private to this run (never shared with other jobs)."""
+    """Node-local scratch for streaming's locks, private to this run (never shared with other jobs);
+    the loader creates it, and the last process of the run on the node to close removes it."""
     tag = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
-    path = Path(tempfile.gettempdir()) / f"nlq-scale-{tag}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return Path(tempfile.gettempdir()) / f"nlq-scale-{tag}"
 
 
 class DataFeed:
@@ -39,6 +39,7 @@ class DataFeed:
         self._mp_group = ps.get_model_parallel_group()
         self._src = self._loader_global_rank()
         self.loader = None
+        self._tmp_dir = job_tmp_dir(run_dir)
         if _is_loader(world):
             self.loader = make_train_loader(
                 cfg.data,
@@ -46,7 +47,7 @@ class DataFeed:
                 rank_batch_size=self.rank_batch,
                 dp_rank=world.dp_rank,
                 dp_size=world.dp,
-                tmp_dir=job_tmp_dir(run_dir),
+                tmp_dir=self._tmp_dir,
             )
             self._iter = iter(self.loader)
         sets = make_val_sets(cfg.data, seq_length=self.seq) if _is_loader(world) else {}
@@ -89,3 +90,5 @@ class DataFeed:
     def close(self) -> None:
         if self.loader is not None:
             self.loader.close()
+            with contextlib.suppress(OSError):  # not empty: another rank of this run on the node is open
+                self._tmp_dir.rmdir()
