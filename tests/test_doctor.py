@@ -32,3 +32,6 @@ def test_doctor_trains_kills_and_resumes_bit_exactly(tmp_path):
     assert set(trials) == {"megatron-nonlinear", "deepspeed-zero1-nonlinear"}
     for t in trials.values():
         assert t["resume_bit_exact"] is True and t["tokens_per_s"] > 0, t
+    # each result is on stderr as its trial ends, before the report
+    for name in trials:
+        assert f"[nlq-scale doctor] {name}: resume bit-exact True, " in r.stderr

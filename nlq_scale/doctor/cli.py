@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -86,12 +85,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(report: dict) -> None:
+    from nlq_scale.doctor.trial import summary
+
     for key, value in report["node"].items():
         print(f"{key:>16}: {value}")
     for name, t in report.get("trials", {}).items():
-        if "error" in t:
-            print(f"{name:>32}: FAILED {t['error']}")
-            continue
-        mfu = f"{t['mfu']:.3f}" if t["mfu"] is not None else "n/a"
-        print(f"{name:>32}: resume bit-exact {t['resume_bit_exact']}, {t['tokens_per_s']:,.0f} tok/s, "
-              f"MFU {mfu}, final loss {t['final_loss']:.4f}", file=sys.stdout)
+        print(f"{name:>32}: {summary(t)}")

@@ -102,6 +102,15 @@ def run_trial(trial: Trial, work: Path, data: Path, steps: int, device: str, pea
     }
 
 
+def summary(t: dict) -> str:
+    """One trial's result in words."""
+    if "error" in t:
+        return f"FAILED {t['error']}"
+    mfu = f"{t['mfu']:.3f}" if t["mfu"] is not None else "n/a"
+    return (f"resume bit-exact {t['resume_bit_exact']}, {t['tokens_per_s']:,.0f} tok/s, MFU {mfu}, "
+            f"final loss {t['final_loss']:.4f}")
+
+
 def trials(arms: list[str], deepspeed_arm: str | None, zero_stage: int) -> list[Trial]:
     out = [Trial(f"megatron-{arm}", arm, ("train.engine=megatron",)) for arm in arms]
     if deepspeed_arm is not None:
@@ -131,4 +140,6 @@ def train_check(work: Path, arms: list[str], deepspeed_arm: str | None, zero_sta
             results[trial.name] = run_trial(trial, work, data, steps, device, peak)
         except RuntimeError as e:
             results[trial.name] = {"arm": trial.arm, "error": str(e)}
+        # as each trial ends: a doctor stopped by a time limit still reports the trials it finished
+        print(f"[nlq-scale doctor] {trial.name}: {summary(results[trial.name])}", file=sys.stderr, flush=True)
     return results
