@@ -24,6 +24,13 @@ RELIES_ON = (
     # untrusted.check_metadata exists because of this: `.metadata` is read with plain pickle.
     Private("torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata", "pickle.load(", in_source=True),
     Private("torch.utils.data.dataloader:_MultiProcessingDataLoaderIter", "_shutdown_workers", params=()),
+    # compat.megatron.direct_tensor_reads: a torch.distributed.checkpoint item is a torch.save'd tensor
+    # at (offset, length) of its file; loaded onto the meta device, its storage says where its bytes start.
+    Private("torch.distributed.checkpoint.filesystem:FileSystemReader.read_data",
+            "torch.load(", in_source=True),
+    Private("torch.distributed.checkpoint.filesystem:FileSystemReader.read_data",
+            "item_md.transform_descriptors", in_source=True),
+    Private("torch.serialization:_load", "storage._checkpoint_offset", in_source=True),
 )
 
 

@@ -242,8 +242,12 @@ class MegatronEngine:
 
     def load(self, ckpt_dir: Path) -> None:
         self._materialize_adam_state()
-        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(ckpt_dir))
-        self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        # The checkpoint as saved (fully reshardable: any TP/PP/DP), but read into the optimizer's own
+        # tensors, without full-model buffers on every rank, and each stored tensor read straight
+        # into place rather than torch.loaded and copied (compat.megatron; docs/performance.md).
+        with megatron_compat.in_place_optimizer_load(self.optimizer), megatron_compat.direct_tensor_reads():
+            state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(ckpt_dir))
+            self.model.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self._unshare_adam_steps()
         dist.barrier()

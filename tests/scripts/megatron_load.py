@@ -1,0 +1,114 @@
+"""Rank script: the megatron engine's checkpoint load (optimizer state read in place, stored tensors
+read straight into their targets: compat.megatron) against megatron's own load of the same
+checkpoint. Usage:
+  megatron_load.py save OUT --dir CKPT [overrides...]     train a few steps and save into CKPT
+  megatron_load.py compare OUT --dir CKPT [overrides...]  load CKPT both ways into a trained engine
+Rank 0 writes to OUT, as JSON, the names of the tensors whose bits differ between the two loads and
+how many stored items each load read through torch's own reader."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+    CachedMetadataFileSystemReader,
+)
+
+from nlq_scale.compat import megatron as megatron_compat
+from tests.scripts.deepspeed_engine import batches, config, megatron_engine, train
+
+
+def state(engine) -> dict[str, torch.Tensor]:
+    """Every tensor a load restores on this rank: the model's weights and, per distributed
+    optimizer, each main param shard and its Adam moments."""
+    out = {f"model.{name}": p.detach().clone() for name, p in engine.model.named_parameters()}
+    for i, opt in enumerate(megatron_compat.distributed_optimizers(engine.optimizer)):
+        for g, group in enumerate(opt.optimizer.param_groups):
+            for j, main in enumerate(group["params"]):
+                out[f"opt{i}.group{g}.{j}.param"] = main.detach().clone()
+                for key, value in opt.optimizer.state.get(main, {}).items():
+                    out[f"opt{i}.group{g}.{j}.{key}"] = value.detach().clone()
+    return out
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+@contextlib.contextmanager
+def torch_reads(counts: list[int]):
+    """Count the stored items torch's reader reads (the direct reader hands it the rest)."""
+    original = CachedMetadataFileSystemReader.read_data
+
+    def read_data(self, plan, planner):
+        counts.append(len(plan.items))
+        return original(self, plan, planner)
+
+    CachedMetadataFileSystemReader.read_data = read_data
+    try:
+        yield
+    finally:
+        CachedMetadataFileSystemReader.read_data = original
+
+
+@contextlib.contextmanager
+def megatrons_own_load():
+    """The engine's load with compat's two load paths switched off: megatron's and torch's own."""
+    saved = megatron_compat.in_place_optimizer_load, megatron_compat.direct_tensor_reads
+    megatron_compat.in_place_optimizer_load = lambda optimizer: contextlib.nullcontext()
+    megatron_compat.direct_tensor_reads = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        megatron_compat.in_place_optimizer_load, megatron_compat.direct_tensor_reads = saved
+
+
+def save(cfg, ckpt: Path) -> dict:
+    engine = megatron_engine(cfg)
+    train(engine, cfg, batches(cfg, 3, seed=1), 0)
+    engine.save(ckpt)
+    return {}
+
+
+def compare(cfg, ckpt: Path) -> dict:
+    """Each load goes into an engine trained on other data first, so nothing it leaves unread can
+    pass for loaded."""
+    engine = megatron_engine(cfg)
+    loaded, counts = {}, {}
+    for way, switch in (("megatron", megatrons_own_load), ("in_place", contextlib.nullcontext)):
+        train(engine, cfg, batches(cfg, 2, seed=7 if way == "megatron" else 8), 0)
+        counts[way] = []
+        with switch(), torch_reads(counts[way]):
+            engine.load(ckpt)
+        loaded[way] = state(engine)
+    a, b = loaded["megatron"], loaded["in_place"]
+    differ = sorted(k for k in a if not torch.equal(bits(a[k]), bits(b[k])))
+    reads = {way: sum(c) for way, c in counts.items()}
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, {"differ": differ, "keys": len(a), "torch_reads": reads})
+    return {"ranks": gathered}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("save", "compare"))
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args()
+    cfg = config(["train.engine=megatron", *args.overrides])
+    from nlq_scale.runtime.dist import distributed
+
+    with distributed(cfg.parallel):
+        result = {"save": save, "compare": compare}[args.mode](cfg, args.dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        args.out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
