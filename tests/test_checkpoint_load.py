@@ -1,6 +1,7 @@
-"""The megatron engine's checkpoint load reads the optimizer state in place and stored tensors
-straight into their targets (compat.megatron): it must restore the very bits megatron's own load
-restores, at the layout the checkpoint was saved at and at others, and read less through torch."""
+"""The megatron engine saves the optimizer state from its own tensors and loads it into them, and
+reads stored tensors straight into their targets (compat.megatron): it must write the very
+checkpoint megatron's own save writes, restore the very bits megatron's own load restores (at the
+layout the checkpoint was saved at and at others), and read less through torch."""
 
 import io
 import json
@@ -38,10 +39,14 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layouts", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_in_place_load_restores_megatrons_bits(tmp_path, layouts):
+def test_in_place_save_and_load_match_megatrons(tmp_path, layouts):
     (save_n, save_at), (load_n, load_at) = layouts
-    run(tmp_path, "save", save_n, *save_at)
-    assert_same_bits(run(tmp_path, "compare", load_n, *load_at))
+    saved = run(tmp_path, "save", save_n, *save_at)
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in saved["keys"]), saved["keys"]
+    assert saved["not_in_both"] == [] and saved["differ"] == [], saved
+    loaded = run(tmp_path, "compare", load_n, *load_at)
+    assert_same_bits(loaded)
+    assert any(rank["split"] for rank in loaded["ranks"]) == (load_n == 2)  # DP=2 splits some parameter
 
 
 def test_an_item_saved_big_endian_is_not_read_directly():

@@ -70,7 +70,7 @@ RELIES_ON = (
     Private(f"{_BUFFER}:_ParamAndGradBuffer.__init__", "self.param_index_map[param] = (", in_source=True),
     Private(f"{_BUFFER}:_ParamAndGradBucket.__init__", "self.offset = offset", in_source=True),
     Private(f"{_BUFFER}:_ParamAndGradBucket.__init__", "self.numel_unpadded = numel_unpadded", in_source=True),
-    # in_place_optimizer_load: the fully reshardable format's two halves, replaced per optimizer...
+    # in_place_optimizer_state: the fully reshardable format's two halves, replaced per optimizer...
     Private(f"{_DISTRIB}:DistributedOptimizer", "sharded_param_state_fully_reshardable",
             params=("model_sharded_state_dict", "is_loading", "metadata")),
     Private(f"{_DISTRIB}:DistributedOptimizer.sharded_state_dict",
@@ -78,12 +78,13 @@ RELIES_ON = (
     Private(f"{_DISTRIB}:DistributedOptimizer", "load_parameter_state_from_fully_reshardable", params=("state_dict",)),
     Private(f"{_DISTRIB}:DistributedOptimizer.load_state_dict",
             "self.load_parameter_state_from_fully_reshardable(param_state)", in_source=True),
-    # ...its keys, and the ranges and live tensors it reads into.
+    # ...its keys, and the ranges, live tensors and DP group it saves from and reads into.
     Private(f"{_DISTRIB}:DistributedOptimizer.sharded_param_state_fully_reshardable",
             "key=f'{prefix}.{state_key}.{sharded_metadata.key}'", in_source=True),
     Private(f"{_DISTRIB}:DistributedOptimizer.sharded_param_state_fully_reshardable",
             "prefix = 'optimizer.state'", in_source=True),
     Private(f"{_DISTRIB}:DistributedOptimizer.__init__", "self.gbuf_ranges", in_source=True),
+    Private(f"{_DISTRIB}:DistributedOptimizer.__init__", "self.data_parallel_group = data_parallel_group", in_source=True),
     Private(f"{_DISTRIB}:DistributedOptimizer", "_get_main_param_and_optimizer_states", params=("model_param",)),
     Private(_DISTRIB, "HybridDeviceOptimizer"),
     # direct_tensor_reads: the reader megatron's torch_dist load strategy asks this module function for.
@@ -198,26 +199,77 @@ def wait_for_async_writers(queue: Any) -> None:
     queue.async_calls.clear()
 
 
-def _owned_param_ranges(opt: Any, gbuf_idx: int) -> dict:
-    """This rank's part of each parameter it owns in buffer `gbuf_idx`: param -> its range map."""
-    (ranges_for_all_buckets,) = opt.gbuf_ranges[gbuf_idx].values()  # one dtype per buffer (megatron asserts it)
-    owned = {}
-    for ranges in ranges_for_all_buckets:
-        owned.update(ranges["param_map"])
-    return owned
+_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # megatron's fully reshardable keys, per parameter
 
 
-def _in_place_param_state(opt: Any, model_sharded_state_dict: Any) -> dict:
-    """The loading side of megatron's fully reshardable optimizer state, without its full-model
-    buffers: the same checkpoint keys (optimizer.state.<param|exp_avg|exp_avg_sq>.<model key>, each
-    of its model parameter's shape and sharding), but only for the parameters this rank owns, and
-    read straight into the optimizer's own tensors where this rank owns a whole, contiguous fp32
-    parameter (always at DP=1); a parameter split across DP ranks is read into a temporary of its
-    local shape and sliced (`_load_in_place_param_state`), as megatron does for every parameter.
-    A main param that is a view of its fp32 model parameter (fp32 training: the optimizer steps the
-    model's own memory) is not read again: the model's weight, loaded beside it from the same
-    checkpoint, holds the same bits (a run cannot resume at another precision: model.bf16 is part
-    of its identity)."""
+def _owned_params(opt: Any) -> Iterator[tuple[int, Any, Any]]:
+    """(megatron's index of the parameter in its fully reshardable state, model param, this rank's
+    range of it) for every parameter this rank's optimizer shard holds a part of."""
+    param_idx = 0
+    for gbuf_idx, buffer in enumerate(opt.buffers):
+        (ranges_for_all_buckets,) = opt.gbuf_ranges[gbuf_idx].values()  # one dtype per buffer (megatron asserts it)
+        owned = {param: ranges for bucket in ranges_for_all_buckets for param, ranges in bucket["param_map"].items()}
+        for model_param in buffer.param_index_map:  # megatron's order: the in-memory keys match its own
+            if model_param in owned:
+                yield param_idx, model_param, owned[model_param]["param"]
+            param_idx += 1
+
+
+def _whole(model_param: Any, part: Any) -> bool:
+    return part.start == 0 and part.end == model_param.numel()
+
+
+def _split_param_states(opt: Any) -> dict:
+    """The full fp32 states of each parameter split across DP ranks, assembled on the rank holding
+    its first element from its other owners' parts (point to point, in an order every DP rank
+    derives alike: what megatron's full-model gather does for every parameter, done for these
+    few): model param -> {key: tensor of the parameter's numel}. Collective over the optimizer's
+    DP group."""
+    import torch
+    import torch.distributed as dist
+
+    group = opt.data_parallel_group
+    mine = {idx: (part.start, part.end) for idx, p, part in _owned_params(opt) if not _whole(p, part)}
+    params = {idx: p for idx, p, part in _owned_params(opt) if idx in mine}
+    everyone: list = [None] * group.size()
+    dist.all_gather_object(everyone, mine, group=group)
+    me, assembled = group.rank(), {}
+    for idx in sorted(set().union(*everyone)):
+        owners = [r for r, parts in enumerate(everyone) if idx in parts]
+        if me not in owners:
+            continue
+        live = opt._get_main_param_and_optimizer_states(params[idx])
+        if me != owners[0]:
+            for key in _STATE_KEYS:
+                part = live[key].detach().float().contiguous()
+                dist.send(part, dst=dist.get_global_rank(group, owners[0]), group=group)
+            continue
+        device = live["param"].device
+        full = {key: torch.empty(params[idx].numel(), dtype=torch.float32, device=device) for key in _STATE_KEYS}
+        start, end = mine[idx]
+        for key in _STATE_KEYS:
+            full[key][start:end].copy_(live[key].detach())
+            for owner in owners[1:]:
+                o_start, o_end = everyone[owner][idx]
+                dist.recv(full[key][o_start:o_end], src=dist.get_global_rank(group, owner), group=group)
+        assembled[params[idx]] = full
+    return assembled
+
+
+def _in_place_param_state(
+    opt: Any, model_sharded_state_dict: Any, is_loading: bool = False, metadata: Any = None
+) -> dict:
+    """megatron's fully reshardable optimizer state without its full-model buffers: the same
+    checkpoint keys (optimizer.state.<param|exp_avg|exp_avg_sq>.<model key>, each of its model
+    parameter's shape and sharding, fp32), but built only from, and read only into, the parameters
+    this rank owns. A parameter this rank owns whole (at DP=1, all of them) is saved from and read
+    straight into the optimizer's own tensors; one split across DP ranks is saved by its first
+    owner from the parts `_split_param_states` brings together, and read whole by each owner into
+    a temporary and sliced (`_load_in_place_param_state`), as megatron does for every parameter.
+    Loading, a main param that is a view of its fp32 model parameter (fp32 training: the optimizer
+    steps the model's own memory) is not read again: the model's weight, loaded beside it from the
+    same checkpoint, holds the same bits (a run cannot resume at another precision: model.bf16 is
+    part of its identity). `metadata` (which of megatron's gathers to use) has nothing to pick here."""
     from dataclasses import replace
 
     import torch
@@ -227,34 +279,41 @@ def _in_place_param_state(opt: Any, model_sharded_state_dict: Any) -> dict:
 
     sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     by_param = {sh.data: sh for sh in nested_values(sharded)}
-    state, param_idx = {}, 0
-    for gbuf_idx, buffer in enumerate(opt.buffers):
-        owned = _owned_param_ranges(opt, gbuf_idx)
-        for model_param in buffer.param_index_map:  # megatron's order: the in-memory keys match its own
-            tensors = {}
-            if model_param in owned:
-                meta = by_param[model_param]
-                assert meta.flattened_range is None, f"flattened model tensor not supported ({meta})"
-                part = owned[model_param]["param"]
-                whole = part.start == 0 and part.end == model_param.numel()
-                live = opt._get_main_param_and_optimizer_states(model_param)
-                for key in ("param", "exp_avg", "exp_avg_sq"):
-                    target = live[key]
-                    if key == "param" and _aliases(target, model_param, part):
-                        continue
-                    if whole and target.dtype == torch.float32 and target.is_contiguous():
-                        data = target.detach().view(meta.data.shape)
-                    else:
-                        data = torch.empty(meta.data.shape, dtype=torch.float32, device=target.device)
-                    kwargs = dict(key=f"optimizer.state.{key}.{meta.key}", data=data, dtype=data.dtype,
-                                  replica_id=_owner_replica_id(meta.replica_id, first_owner=part.start == 0))  # fmt: skip
-                    if isinstance(meta, ShardedTensorFactory):
-                        kwargs.pop("dtype")
-                    tensors[key] = replace(meta, **kwargs)
-                    tensors[key].validate_metadata_integrity()
-            state[param_idx] = tensors
-            param_idx += 1
+    split = {} if is_loading else _split_param_states(opt)
+    state = {idx: {} for idx in range(sum(len(b.param_index_map) for b in opt.buffers))}
+    for idx, model_param, part in _owned_params(opt):
+        meta = by_param[model_param]
+        assert meta.flattened_range is None, f"flattened model tensor not supported ({meta})"
+        whole = _whole(model_param, part)
+        if not (is_loading or whole or model_param in split):
+            continue  # saved by its first owner
+        live = opt._get_main_param_and_optimizer_states(model_param)
+        for key in _STATE_KEYS:
+            target = live[key]
+            if is_loading and key == "param" and _aliases(target, model_param, part):
+                continue
+            data = _state_data(target, model_param.numel(), whole, split.get(model_param, {}).get(key), is_loading)
+            kwargs = dict(key=f"optimizer.state.{key}.{meta.key}", data=data.reshape(meta.data.shape),
+                          dtype=torch.float32, replica_id=_owner_replica_id(meta.replica_id, part.start == 0))  # fmt: skip
+            if isinstance(meta, ShardedTensorFactory):
+                kwargs.pop("dtype")
+            state[idx][key] = replace(meta, **kwargs)
+            state[idx][key].validate_metadata_integrity()
     return state
+
+
+def _state_data(target: Any, numel: int, whole: bool, assembled: Any, is_loading: bool) -> Any:
+    """The fp32 tensor a parameter's state is saved from or read into: the optimizer's own where it
+    holds the whole parameter in fp32; for a split parameter the parts `assembled` (saving) or a
+    temporary read whole and sliced after (loading); a state kept in another dtype or layout is
+    saved as an fp32 copy and read into a temporary."""
+    import torch
+
+    if whole and target.dtype == torch.float32 and target.is_contiguous():
+        return target.detach()
+    if not is_loading:
+        return target.detach().float() if whole else assembled
+    return torch.empty(target.shape if whole else numel, dtype=torch.float32, device=target.device)
 
 
 def _owner_replica_id(model_replica_id: Any, first_owner: bool) -> Any:
@@ -284,49 +343,40 @@ def _aliases(main_param: Any, model_param: Any, part: Any) -> bool:
 
 def _load_in_place_param_state(opt: Any, state_dict: dict) -> None:
     """The inverse of `_in_place_param_state`: copy what was read into a temporary (a parameter split
-    across DP ranks, a non-fp32 or strided state, a tensor a factory merged) into this rank's slice;
+    across DP ranks, a non-fp32 or strided state, a tensor a factory merged) into this rank's part;
     what was read in place is already there."""
     import torch
 
-    param_idx = 0
     with torch.no_grad():
-        for gbuf_idx, buffer in enumerate(opt.buffers):
-            owned = _owned_param_ranges(opt, gbuf_idx)
-            for model_param in buffer.param_index_map:
-                loaded = state_dict.get(param_idx, {})  # a parameter this rank does not own: nothing asked
-                param_idx += 1
-                if model_param not in owned:
-                    continue
-                part = owned[model_param]["param"]
-                live = opt._get_main_param_and_optimizer_states(model_param)
-                for key, value in loaded.items():
-                    target = live[key]
-                    if value.data_ptr() == target.data_ptr() and value.numel() == target.numel():
-                        continue  # read in place
-                    target.copy_(value.flatten()[part.start : part.end])
+        for idx, model_param, part in _owned_params(opt):
+            live = opt._get_main_param_and_optimizer_states(model_param)
+            for key, value in state_dict[idx].items():
+                target = live[key]
+                if value.data_ptr() == target.data_ptr() and value.numel() == target.numel():
+                    continue  # read in place
+                target.copy_(value.flatten()[part.start : part.end])
 
 
 @contextlib.contextmanager
-def in_place_optimizer_load(optimizer: Any) -> Iterator[None]:
-    """While loading a fully reshardable optimizer state: each distributed optimizer requests its
-    parameters' states in place (`_in_place_param_state`) instead of gathering full-model buffers on
-    every rank and copying out of them. The checkpoint format and the resharding across TP, PP and
-    DP are megatron's: only where the bytes land changes. Optimizers this does not cover (precision-
-    aware, CPU-offloading) keep megatron's path."""
+def in_place_optimizer_state(optimizer: Any) -> Iterator[None]:
+    """While building a fully reshardable optimizer state to save or load: each distributed
+    optimizer saves it from and loads it into its own tensors (`_in_place_param_state`), where
+    megatron gathers full-model buffers of every state on every rank and copies into and out of
+    them. The checkpoint's keys, shapes, values and resharding across TP, PP and DP are megatron's.
+    Optimizers this does not cover keep megatron's path: precision-aware or CPU-offloading ones,
+    and several optimizer instances over one DP group (which the engine does not build)."""
+    from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import HybridDeviceOptimizer
 
     patched = []
     for opt in distributed_optimizers(optimizer):
-        if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 or isinstance(opt.optimizer, HybridDeviceOptimizer):
+        if (
+            opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            or isinstance(opt.optimizer, HybridDeviceOptimizer)
+            or opt.data_parallel_group.size() != parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        ):
             continue
-        saving = opt.sharded_param_state_fully_reshardable
-
-        def request(model_sharded_state_dict, is_loading=False, metadata=None, _opt=opt, _saving=saving):
-            if not is_loading:
-                return _saving(model_sharded_state_dict, is_loading, metadata)
-            return _in_place_param_state(_opt, model_sharded_state_dict)
-
-        opt.sharded_param_state_fully_reshardable = request
+        opt.sharded_param_state_fully_reshardable = functools.partial(_in_place_param_state, opt)
         opt.load_parameter_state_from_fully_reshardable = functools.partial(_load_in_place_param_state, opt)
         patched.append(opt)
     try:

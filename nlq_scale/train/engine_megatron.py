@@ -193,9 +193,9 @@ class MegatronEngine:
         the tensors (a forked writer process sees them as they were at the fork, on the CPU as on a
         GPU after megatron's device-to-host copy); `save_written` tells when every rank's write ended."""
         self._materialize_adam_state()  # a save before the first step would trip the same assert
-        request = dist_checkpointing.save(
-            self._sharded_state(is_loading=False), str(ckpt_dir), async_sharded_save=background
-        )
+        with megatron_compat.in_place_optimizer_state(self.optimizer):  # no full-model copies of the state
+            state = self._sharded_state(is_loading=False)
+        request = dist_checkpointing.save(state, str(ckpt_dir), async_sharded_save=background)
         if background:
             self._saves.schedule_async_request(_at_low_priority(request))
 
@@ -242,10 +242,9 @@ class MegatronEngine:
 
     def load(self, ckpt_dir: Path) -> None:
         self._materialize_adam_state()
-        # The checkpoint as saved (fully reshardable: any TP/PP/DP), but read into the optimizer's own
-        # tensors, without full-model buffers on every rank, and each stored tensor read straight
-        # into place rather than torch.loaded and copied (compat.megatron; docs/performance.md).
-        with megatron_compat.in_place_optimizer_load(self.optimizer), megatron_compat.direct_tensor_reads():
+        # Read into the optimizer's own tensors, each stored tensor straight into place rather than
+        # torch.loaded and copied (compat.megatron; docs/performance.md).
+        with megatron_compat.in_place_optimizer_state(self.optimizer), megatron_compat.direct_tensor_reads():
             state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(ckpt_dir))
             self.model.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])

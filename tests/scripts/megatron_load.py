@@ -1,10 +1,12 @@
-"""Rank script: the megatron engine's checkpoint load (optimizer state read in place, stored tensors
-read straight into their targets: compat.megatron) against megatron's own load of the same
-checkpoint. Usage:
-  megatron_load.py save OUT --dir CKPT [overrides...]     train a few steps and save into CKPT
-  megatron_load.py compare OUT --dir CKPT [overrides...]  load CKPT both ways into a trained engine
-Rank 0 writes to OUT, as JSON, the names of the tensors whose bits differ between the two loads and
-how many stored items each load read through torch's own reader."""
+"""Rank script: the megatron engine's checkpoint save and load (optimizer state saved from and read
+into the optimizer's own tensors, stored tensors read straight into their targets: compat.megatron)
+against megatron's own. Usage:
+  megatron_load.py save OUT --dir CKPT [overrides...]     train a few steps, save into CKPT/megatron
+                                                          megatron's way and into CKPT/ours
+  megatron_load.py compare OUT --dir CKPT [overrides...]  load CKPT/ours both ways into a trained engine
+Rank 0 writes to OUT, as JSON, the names of the tensors whose bits differ between the two saves or
+the two loads, how many stored items each load read through torch's own reader, and how many
+parameters each rank holds only part of."""
 
 from __future__ import annotations
 
@@ -57,22 +59,38 @@ def torch_reads(counts: list[int]):
 
 
 @contextlib.contextmanager
-def megatrons_own_load():
-    """The engine's load with compat's two load paths switched off: megatron's and torch's own."""
-    saved = megatron_compat.in_place_optimizer_load, megatron_compat.direct_tensor_reads
-    megatron_compat.in_place_optimizer_load = lambda optimizer: contextlib.nullcontext()
+def megatrons_own_way():
+    """The engine's save and load with compat's in-place paths switched off: megatron's and torch's own."""
+    saved = megatron_compat.in_place_optimizer_state, megatron_compat.direct_tensor_reads
+    megatron_compat.in_place_optimizer_state = lambda optimizer: contextlib.nullcontext()
     megatron_compat.direct_tensor_reads = contextlib.nullcontext
     try:
         yield
     finally:
-        megatron_compat.in_place_optimizer_load, megatron_compat.direct_tensor_reads = saved
+        megatron_compat.in_place_optimizer_state, megatron_compat.direct_tensor_reads = saved
+
+
+def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt), str(ckpt.with_suffix(".pt")))
+    state = torch.load(ckpt.with_suffix(".pt"), weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def save(cfg, ckpt: Path) -> dict:
     engine = megatron_engine(cfg)
     train(engine, cfg, batches(cfg, 3, seed=1), 0)
-    engine.save(ckpt)
-    return {}
+    for way, switch in (("megatron", megatrons_own_way), ("ours", contextlib.nullcontext)):
+        (ckpt / way).mkdir(exist_ok=True)  # every rank
+        with switch():
+            engine.save(ckpt / way)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() != 0:
+        return {}
+    a, b = checkpoint_tensors(ckpt / "megatron"), checkpoint_tensors(ckpt / "ours")
+    differ = sorted(k for k in a.keys() & b.keys() if not torch.equal(bits(a[k]), bits(b[k])))
+    return {"keys": sorted(a), "not_in_both": sorted(a.keys() ^ b.keys()), "differ": differ}
 
 
 def compare(cfg, ckpt: Path) -> dict:
@@ -80,17 +98,22 @@ def compare(cfg, ckpt: Path) -> dict:
     pass for loaded."""
     engine = megatron_engine(cfg)
     loaded, counts = {}, {}
-    for way, switch in (("megatron", megatrons_own_load), ("in_place", contextlib.nullcontext)):
+    for way, switch in (("megatron", megatrons_own_way), ("in_place", contextlib.nullcontext)):
         train(engine, cfg, batches(cfg, 2, seed=7 if way == "megatron" else 8), 0)
         counts[way] = []
         with switch(), torch_reads(counts[way]):
-            engine.load(ckpt)
+            engine.load(ckpt / "ours")
         loaded[way] = state(engine)
     a, b = loaded["megatron"], loaded["in_place"]
     differ = sorted(k for k in a if not torch.equal(bits(a[k]), bits(b[k])))
     reads = {way: sum(c) for way, c in counts.items()}
     gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, {"differ": differ, "keys": len(a), "torch_reads": reads})
+    split = sum(
+        not megatron_compat._whole(param, part)
+        for opt in megatron_compat.distributed_optimizers(engine.optimizer)
+        for _, param, part in megatron_compat._owned_params(opt)
+    )  # parameters this rank holds part of (the others' parts are assembled for a save)
+    torch.distributed.all_gather_object(gathered, {"differ": differ, "keys": len(a), "torch_reads": reads, "split": split})
     return {"ranks": gathered}
 
 
