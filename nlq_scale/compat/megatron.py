@@ -61,15 +61,6 @@ RELIES_ON = (
     Private(_DISTRIB, "HAVE_APEX_OR_TE"),
     Private(f"{_DISTRIB}:DistributedOptimizer", "_set_main_param_and_optimizer_states", params=("model_param", "tensors")),
     Private(f"{_DISTRIB}:DistributedOptimizer.__init__", "self.model_param_group_index_map", in_source=True),
-    # unpadded_param_positions: the gathered state concatenates buckets' unpadded parts...
-    Private(f"{_DISTRIB}:DistributedOptimizer.get_parameter_state_dp_zero",
-            "offset_in_world_tensors += gbuf_world_numel_unpadded", in_source=True),
-    # ...and the fully reshardable state slices it at the buffer's (padded) positions.
-    Private(f"{_DISTRIB}:DistributedOptimizer.sharded_param_state_fully_reshardable",
-            "in buffer.param_index_map.items()", in_source=True),
-    Private(f"{_BUFFER}:_ParamAndGradBuffer.__init__", "self.param_index_map[param] = (", in_source=True),
-    Private(f"{_BUFFER}:_ParamAndGradBucket.__init__", "self.offset = offset", in_source=True),
-    Private(f"{_BUFFER}:_ParamAndGradBucket.__init__", "self.numel_unpadded = numel_unpadded", in_source=True),
     # in_place_optimizer_state: the fully reshardable format's two halves, replaced per optimizer...
     Private(f"{_DISTRIB}:DistributedOptimizer", "sharded_param_state_fully_reshardable",
             params=("model_sharded_state_dict", "is_loading", "metadata")),
@@ -78,13 +69,17 @@ RELIES_ON = (
     Private(f"{_DISTRIB}:DistributedOptimizer", "load_parameter_state_from_fully_reshardable", params=("state_dict",)),
     Private(f"{_DISTRIB}:DistributedOptimizer.load_state_dict",
             "self.load_parameter_state_from_fully_reshardable(param_state)", in_source=True),
-    # ...its keys, and the ranges, live tensors and DP group it saves from and reads into.
+    # ...its keys and parameter order, and the ranges, live tensors and DP group it saves from and reads into.
+    Private(f"{_DISTRIB}:DistributedOptimizer.sharded_param_state_fully_reshardable",
+            "in buffer.param_index_map.items()", in_source=True),
+    Private(f"{_BUFFER}:_ParamAndGradBuffer.__init__", "self.param_index_map[param] = (", in_source=True),
     Private(f"{_DISTRIB}:DistributedOptimizer.sharded_param_state_fully_reshardable",
             "key=f'{prefix}.{state_key}.{sharded_metadata.key}'", in_source=True),
     Private(f"{_DISTRIB}:DistributedOptimizer.sharded_param_state_fully_reshardable",
             "prefix = 'optimizer.state'", in_source=True),
     Private(f"{_DISTRIB}:DistributedOptimizer.__init__", "self.gbuf_ranges", in_source=True),
     Private(f"{_DISTRIB}:DistributedOptimizer.__init__", "self.data_parallel_group = data_parallel_group", in_source=True),
+    Private(f"{_DISTRIB}:DistributedOptimizer.__init__", "self.ddp_config = self.model_chunks[0].ddp_config", in_source=True),
     Private(f"{_DISTRIB}:DistributedOptimizer", "_get_main_param_and_optimizer_states", params=("model_param",)),
     Private(_DISTRIB, "HybridDeviceOptimizer"),
     # direct_tensor_reads: the reader megatron's torch_dist load strategy asks this module function for.
@@ -161,34 +156,6 @@ def distributed_optimizers(optimizer: Any) -> list:
 
     chain = getattr(optimizer, "chained_optimizers", [optimizer])
     return [o for o in chain if isinstance(o, distrib_optimizer.DistributedOptimizer)]
-
-
-@contextlib.contextmanager
-def unpadded_param_positions(optimizer: Any) -> Iterator[None]:
-    """megatron-core 0.16.1's fully reshardable optimizer state gathers every bucket's unpadded part
-    into one tensor, then slices each parameter out at its position in the *padded* buffer. With
-    more than one bucket (PP > 1 gives the shared embedding its own bucket) every parameter behind a
-    padded bucket end reads values shifted by that padding: the checkpoint holds wrong main params
-    and moments, and a resume loads them into the model (seen: the embedding shifted by one row,
-    loss 9.6 -> 10.5). Within the block, positions index the concatenation; with one bucket they
-    are unchanged."""
-    saved = []
-    for opt in distributed_optimizers(optimizer):
-        for buffer in opt.buffers:
-            starts, total = [], 0
-            for bucket in buffer.buckets:
-                starts.append(total - bucket.offset)
-                total += bucket.numel_unpadded
-            saved.append((buffer, buffer.param_index_map))
-            buffer.param_index_map = {
-                param: (start + starts[b], end + starts[b], b)
-                for param, (start, end, b) in buffer.param_index_map.items()
-            }
-    try:
-        yield
-    finally:
-        for buffer, positions in saved:
-            buffer.param_index_map = positions
 
 
 def wait_for_async_writers(queue: Any) -> None:
@@ -362,20 +329,19 @@ def in_place_optimizer_state(optimizer: Any) -> Iterator[None]:
     """While building a fully reshardable optimizer state to save or load: each distributed
     optimizer saves it from and loads it into its own tensors (`_in_place_param_state`), where
     megatron gathers full-model buffers of every state on every rank and copies into and out of
-    them. The checkpoint's keys, shapes, values and resharding across TP, PP and DP are megatron's.
-    Optimizers this does not cover keep megatron's path: precision-aware or CPU-offloading ones,
-    and several optimizer instances over one DP group (which the engine does not build)."""
-    from megatron.core import parallel_state
+    them (and, in megatron-core 0.16.1, slices them at the wrong positions when a buffer has more
+    than one bucket: with PP > 1 the tied embedding's main weights were saved shifted by a row and
+    resumed so, loss 9.6 -> 10.5). The checkpoint's keys, shapes, values and resharding across TP,
+    PP and DP are megatron's. Not covered, and not built by the engine: precision-aware or
+    CPU-offloading optimizers, several optimizer instances over one DP group."""
     from megatron.core.optimizer.distrib_optimizer import HybridDeviceOptimizer
 
     patched = []
     for opt in distributed_optimizers(optimizer):
-        if (
-            opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-            or isinstance(opt.optimizer, HybridDeviceOptimizer)
-            or opt.data_parallel_group.size() != parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        ):
-            continue
+        if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 or isinstance(opt.optimizer, HybridDeviceOptimizer):
+            raise NotImplementedError("checkpoints of a precision-aware or CPU-offloading distributed optimizer")
+        if opt.ddp_config.num_distributed_optimizer_instances != 1:
+            raise NotImplementedError("checkpoints of several distributed-optimizer instances over one DP group")
         opt.sharded_param_state_fully_reshardable = functools.partial(_in_place_param_state, opt)
         opt.load_parameter_state_from_fully_reshardable = functools.partial(_load_in_place_param_state, opt)
         patched.append(opt)

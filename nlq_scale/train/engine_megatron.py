@@ -182,7 +182,7 @@ class MegatronEngine:
 
     def _sharded_state(self, is_loading: bool) -> dict:
         model_state = self.model.module.sharded_state_dict()
-        with megatron_compat.unpadded_param_positions(self.optimizer), _gc_frozen():
+        with _gc_frozen():
             optimizer_state = self.optimizer.sharded_state_dict(
                 model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT
             )
