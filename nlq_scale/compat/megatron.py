@@ -1,7 +1,7 @@
 """megatron-core internals: the CPU shim's patch points, the mends for the torch-Adam fallback
-of the distributed optimizer, the writer processes of background saves, and a checkpoint load that
-reads the optimizer state in place (runtime/cpu_shim.py, train/engine_megatron.py,
-train/engine_deepspeed.py go through here)."""
+of the distributed optimizer, the writer processes of background saves, and checkpoints that save
+the optimizer state from, and load it into, the optimizer's own tensors (runtime/cpu_shim.py,
+train/engine_megatron.py, train/engine_deepspeed.py go through here)."""
 
 from __future__ import annotations
 
@@ -196,8 +196,10 @@ def _split_param_states(opt: Any) -> dict:
     import torch.distributed as dist
 
     group = opt.data_parallel_group
-    mine = {idx: (part.start, part.end) for idx, p, part in _owned_params(opt) if not _whole(p, part)}
-    params = {idx: p for idx, p, part in _owned_params(opt) if idx in mine}
+    params, mine = {}, {}
+    for idx, param, part in _owned_params(opt):
+        if not _whole(param, part):
+            params[idx], mine[idx] = param, (part.start, part.end)
     everyone: list = [None] * group.size()
     dist.all_gather_object(everyone, mine, group=group)
     me, assembled = group.rank(), {}
