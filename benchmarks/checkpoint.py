@@ -134,9 +134,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nlq-ckpt-bench-"))
     try:
         with distributed(cfg.parallel) as layout:
-            engine = MegatronEngine(cfg, layout.device)
+            device = layout.device  # CUDA where one is visible (runtime.device=auto)
+            engine = MegatronEngine(cfg, device)
             pairs = [save_load_and_raw(engine, work / f"ckpt{i}") for i in range(a.repeats + 1)][1:]  # 1st: warm-up
-            tokens = torch.randint(cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_length + 1))
+            shape = (cfg.train.global_batch_size, cfg.model.seq_length + 1)
+            tokens = torch.randint(cfg.model.vocab_size, shape, device=device.torch_device)
             background = background_save_figures(engine, tokens, work, a.rounds, median(p["save"] for p in pairs))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -152,6 +154,7 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "checkpoint",
+                "device": device.torch_device.type,
                 "checkpoint_mb": round(mb, 1),
                 "pairs": len(pairs),
                 **{f"{key}_mb_s": mb_s(key) for key in ("save", "load", "raw_write", "raw_cached_write", "raw_read")},

@@ -15,7 +15,9 @@ after the training steps).
 `fuse_up_over_nonlinear` is what that gains. `nonlinear_recompute_query` is the nonlinear arm with
 parallel.recompute_query (its query MLP run again in backward, for activation memory);
 `recompute_query_over_nonlinear` is what that costs (its MFU counts the model's FLOPs, not the
-recomputation, as MFU does).
+recomputation, as MFU does). `nonlinear_compile_query` is the nonlinear arm with
+parallel.compile_query (its norms and mix compiled by torch.compile, in the warm-up step);
+`compile_query_over_nonlinear` is what that gains.
 
 Goals: nonlinear_over_linear >= 0.97, harness_over_reference >= 1.0, mfu >= 0.75 for every arm.
 """
@@ -53,6 +55,7 @@ VARIANTS = {
     "identity": ("identity", ()),
     "nonlinear_recompute_query": ("nonlinear", ("parallel.recompute_query=true",)),
     "nonlinear_fuse_up": ("nonlinear", ("model.nlq.fuse_up=true",)),
+    "nonlinear_compile_query": ("nonlinear", ("parallel.compile_query=true",)),
 }
 
 
@@ -178,6 +181,8 @@ def main() -> None:
                 "identity_over_linear": round(tps["identity"] / tps["linear"], 4),
                 "harness_over_reference": round(tps["linear"] / tps["reference_linear"], 4),
                 "recompute_query_over_nonlinear": round(tps["nonlinear_recompute_query"] / tps["nonlinear"], 4),
+                "nonlinear_compile_query_over_linear": round(tps["nonlinear_compile_query"] / tps["linear"], 4),
+                "compile_query_over_nonlinear": round(tps["nonlinear_compile_query"] / tps["nonlinear"], 4),
                 "matmul_peak_gflops": round(peak / 1e9, 1),
                 **{f"model_gflops_{name}": round(flops[name] * tps[name] / 1e9, 1) for name in tps},
                 **{f"mfu_{name}": round(v, 3) for name, v in mfu.items()},

@@ -283,6 +283,30 @@ def test_fused_up_gives_the_unfused_loss_and_gradients_and_keeps_less(single_ran
     assert saved[False, True] == saved[True, True] and per_layer[False, True] == per_layer[True, True]
 
 
+def _loss_and_gradients(cfg) -> list[torch.Tensor]:
+    model, tokens = build(cfg), tokens_for(cfg)
+    positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(tokens.shape[0], -1)
+    loss = model(tokens, positions, None, labels=tokens).mean()
+    loss.backward()
+    return [loss.detach(), *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.slow  # inductor writes and builds C++ kernels on the CPU: ~25 s
+def test_compiled_query_gives_the_eager_loss_and_gradients(single_rank):
+    """parallel.compile_query on the arms with a query MLP (with fuse_up and recompute_query too):
+    the eager loss and every gradient on the same parameters, from graphs dynamo really compiled."""
+    from torch._dynamo.utils import counters  # private: the only record of what dynamo compiled
+
+    cases = [("nonlinear", ["model.add_bias_linear=true"]), ("nonlinear", ["model.nlq.fuse_up=true", "parallel.recompute_query=true"]),
+             ("nonlinear-ph", []), ("preproj", [])]  # fmt: skip
+    torch._dynamo.reset()
+    for arm, overrides in cases:
+        eager, fused = (_loss_and_gradients(case_config(arm, [*overrides, f"parallel.compile_query={c}"])) for c in (False, True))
+        for a, b in zip(eager, fused, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 3  # rms_norm, mixed_layer_norm, per_head_query
+
+
 @pytest.mark.parametrize("arm", arms.names())
 def test_checkpoint_round_trip_gives_identical_logits(single_rank, arm, tmp_path):
     from megatron.core import dist_checkpointing

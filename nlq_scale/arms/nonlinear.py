@@ -33,7 +33,15 @@ def _modules():
     import torch
     from megatron.core.transformer.module import MegatronModule
 
-    from nlq_scale.model.query import ParallelMLP, normed_mlp, on_sequence_shard, to_local_heads
+    from nlq_scale.model.query import (
+        ParallelMLP,
+        compiled,
+        mixed_layer_norm,
+        normed_mlp,
+        on_sequence_shard,
+        rms_norm,
+        to_local_heads,
+    )
     from nlq_scale.model.reference import MLP
 
     class NonlinearQuery(MegatronModule):
@@ -49,9 +57,15 @@ def _modules():
             self.norm_out = on_sequence_shard(
                 torch.nn.LayerNorm(d, eps=eps, bias=norm_bias, dtype=config.params_dtype), config
             )
+            self.compiled_norm = compiled(rms_norm, config.compile_query)
+            self.compiled_mix = compiled(mixed_layer_norm, config.compile_query)
 
         def forward(self, x):
-            q = self.mix * x + (1.0 - self.mix) * self.norm_out(normed_mlp(self.norm_in, self.f, x, self.fuse_up))
+            f = normed_mlp(self.norm_in, self.f, x, self.fuse_up, self.compiled_norm)
+            if self.compiled_mix is None:
+                q = self.mix * x + (1.0 - self.mix) * self.norm_out(f)
+            else:
+                q = self.compiled_mix(x, f, self.norm_out.weight, self.norm_out.bias, self.norm_out.eps, self.mix)
             return to_local_heads(q, self.config)
 
     class ReferenceNonlinearQuery(torch.nn.Module):

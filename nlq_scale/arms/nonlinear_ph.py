@@ -35,13 +35,16 @@ def _modules():
     import torch
     from megatron.core.transformer.module import MegatronModule
 
-    from nlq_scale.model.query import ParallelMLP, normed_mlp, on_sequence_shard, to_local_heads
+    from nlq_scale.model.query import ParallelMLP, compiled, normed_mlp, on_sequence_shard, rms_norm, to_local_heads
     from nlq_scale.model.reference import MLP
 
     def head_rms(t, heads: int, eps: float):
         """Each head's slice of the last dim divided by its RMS (t: [..., heads * head_dim])."""
         h = t.unflatten(-1, (heads, -1))
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+
+    def per_head_query(x, f, gain, heads: int, eps: float):
+        return head_rms(x, heads, eps) + gain * head_rms(f, heads, eps)
 
     class PerHeadNonlinearQuery(MegatronModule):
         """The whole query on the full hidden vector of each token, every rank or this rank's
@@ -56,11 +59,12 @@ def _modules():
             self.f = ParallelMLP(config, width, activation, tp_group)
             gain = torch.nn.Parameter(torch.ones(d, dtype=config.params_dtype))
             self.head_norm_gain = on_sequence_shard(gain, config)
+            self.compiled_norm = compiled(rms_norm, config.compile_query)
+            self.query_from = compiled(per_head_query, config.compile_query) or per_head_query
 
         def forward(self, x):
-            f = normed_mlp(self.norm_in, self.f, x, self.fuse_up)
-            correction = self.head_norm_gain * head_rms(f, self.heads, self.eps)
-            return to_local_heads(head_rms(x, self.heads, self.eps) + correction, self.config)
+            f = normed_mlp(self.norm_in, self.f, x, self.fuse_up, self.compiled_norm)
+            return to_local_heads(self.query_from(x, f, self.head_norm_gain, self.heads, self.eps), self.config)
 
     class ReferencePerHeadNonlinearQuery(torch.nn.Module):
         def __init__(self, d, heads, width, activation, bias, eps):
@@ -71,8 +75,7 @@ def _modules():
             self.head_norm_gain = torch.nn.Parameter(torch.ones(d))
 
         def forward(self, x):
-            correction = self.head_norm_gain * head_rms(self.f(self.norm_in(x)), self.heads, self.eps)
-            return head_rms(x, self.heads, self.eps) + correction
+            return per_head_query(x, self.f(self.norm_in(x)), self.head_norm_gain, self.heads, self.eps)
 
     return PerHeadNonlinearQuery, ReferencePerHeadNonlinearQuery
 

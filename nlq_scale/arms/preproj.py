@@ -36,7 +36,15 @@ def _modules():
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.utils import init_method_normal
 
-    from nlq_scale.model.query import ParallelMLP, on_sequence_shard, recomputed, to_local_heads
+    from nlq_scale.model.query import (
+        ParallelMLP,
+        compiled,
+        normed_mlp,
+        on_sequence_shard,
+        recomputed,
+        rms_norm,
+        to_local_heads,
+    )
     from nlq_scale.model.reference import MLP
 
     @dataclass
@@ -52,6 +60,7 @@ def _modules():
             norm = torch.nn.RMSNorm(d, eps=config.layernorm_epsilon, dtype=config.params_dtype)
             self.pre_norm = on_sequence_shard(norm, config)
             self.pre = ParallelMLP(config, submodules.width, submodules.activation, tp_group)
+            self.compiled_norm = compiled(rms_norm, config.compile_query)
             # Its input is split over the hidden dim by to_local_heads (under sequence parallelism
             # from this rank's sequence shard), its output all-reduced (or reduce-scattered).
             self.w_skip = RowParallelLinear(
@@ -61,7 +70,7 @@ def _modules():
             )
 
         def pre_mlp(self, x):
-            return self.pre(self.pre_norm(x))
+            return normed_mlp(self.pre_norm, self.pre, x, False, self.compiled_norm)
 
         def forward(self, hidden_states, *args, **kwargs):
             content = hidden_states + recomputed(self.pre_mlp, hidden_states, self.config.recompute_query)

@@ -161,6 +161,11 @@ class ParallelConfig(Strict):
         description="keep only the input and output of the arm's query MLP and recompute the rest in backward "
         "(arms with one: nonlinear, nonlinear-ph, preproj; no effect on the others)",
     )
+    compile_query: bool = Field(
+        False,
+        description="compile the norms and elementwise work around the arm's query MLP with torch.compile "
+        "(fused kernels; the same function, other rounding; arms with one: nonlinear, nonlinear-ph, preproj)",
+    )
 
 
 class StreamConfig(Strict):

@@ -30,6 +30,7 @@ class NLQTransformerConfig(TransformerConfig):
     """megatron's TransformerConfig plus what the arms' modules read from it."""
 
     recompute_query: bool = False  # parallel.recompute_query, where the arm has a query path to recompute
+    compile_query: bool = False  # parallel.compile_query
 
 
 def softmax_scale(m: ModelConfig) -> float:
@@ -52,6 +53,7 @@ def transformer_config(
     dtype = torch.bfloat16 if m.bf16 else torch.float32
     return NLQTransformerConfig(
         recompute_query=arms.get(m.arm).recomputes_query(m, p.recompute_query),
+        compile_query=p.compile_query,
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,

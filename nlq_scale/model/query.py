@@ -44,6 +44,25 @@ def recomputed(fn: Callable[[Tensor], Tensor], x: Tensor, enabled: bool) -> Tens
     return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False)
 
 
+def compiled(fn: Callable[..., Tensor], enabled: bool) -> Callable[..., Tensor] | None:
+    """fn compiled by torch.compile when enabled (parallel.compile_query), else None: inductor fuses
+    its norms and elementwise work into generated kernels, forward and backward (the same function,
+    other rounding). Off, the arms call their norm modules as before, so module hooks (the
+    coordinate check, ZeRO-3's gathers) see them. Only pure tensor functions go through it:
+    megatron's layers warn and communicate inside, which splits dynamo's graph into pieces. Every
+    layer calls the same function, so one compilation per shape serves them all."""
+    return torch.compile(fn) if enabled else None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def mixed_layer_norm(x: Tensor, f: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mix: float) -> Tensor:
+    """mix * x + (1 - mix) * LayerNorm(f)."""
+    return mix * x + (1.0 - mix) * F.layer_norm(f, (f.shape[-1],), weight, bias, eps)
+
+
 def relu2(x: Tensor) -> Tensor:
     return F.relu(x).square()
 
@@ -108,11 +127,14 @@ class ParallelMLP(MegatronModule):
         return self.from_hidden(h)
 
 
-def normed_mlp(norm: torch.nn.RMSNorm, mlp: ParallelMLP, x: Tensor, fuse_up: bool) -> Tensor:
-    """mlp(norm(x)), with the norm folded into the MLP's first GEMM when fuse_up."""
-    if not fuse_up:
-        return mlp(norm(x))
-    return mlp.from_hidden(normed_up(norm, mlp.up, x))
+def normed_mlp(
+    norm: torch.nn.RMSNorm, mlp: ParallelMLP, x: Tensor, fuse_up: bool, compiled_norm: Callable[..., Tensor] | None
+) -> Tensor:
+    """mlp(norm(x)), with the norm folded into the MLP's first GEMM when fuse_up, else run as
+    compiled_norm(x, gain, eps) where there is one (`compiled(rms_norm, ...)`)."""
+    if fuse_up:
+        return mlp.from_hidden(normed_up(norm, mlp.up, x))
+    return mlp(norm(x) if compiled_norm is None else compiled_norm(x, norm.weight, norm.eps))
 
 
 def normed_up(norm: torch.nn.RMSNorm, up: ColumnParallelLinear, x: Tensor) -> Tensor:
