@@ -29,9 +29,8 @@ NODES=(node1 node2)
 
 log() { echo "start.sh: $*" >&2; }
 
-alive() {  # alive PIDFILE: the process named in the pid file exists
-  [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
-}
+# shellcheck source=pids.sh
+source "$(dirname "${BASH_SOURCE[0]}")/pids.sh"
 
 install_packages() {
   if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \

@@ -8,11 +8,12 @@ set -euo pipefail
 STATE=${NLQ_SLURM_STATE:-/var/lib/nlq-slurm}
 CONF=$STATE/slurm.conf
 
-stop_pidfile() {  # stop_pidfile FILE: TERM the process, wait up to 20 s, then KILL
+# shellcheck source=pids.sh
+source "$(dirname "${BASH_SOURCE[0]}")/pids.sh"
+
+stop_pidfile() {  # stop_pidfile FILE: TERM its daemon, wait up to 20 s, then KILL; a stale file only goes
   local pidfile=$1 pid i
-  [[ -s $pidfile ]] || return 0
-  pid=$(cat "$pidfile")
-  if kill -0 "$pid" 2>/dev/null; then
+  if pid=$(daemon_pid "$pidfile"); then
     kill -TERM "$pid"
     for i in $(seq 1 40); do
       kill -0 "$pid" 2>/dev/null || break
@@ -23,7 +24,7 @@ stop_pidfile() {  # stop_pidfile FILE: TERM the process, wait up to 20 s, then K
   rm -f "$pidfile"
 }
 
-if [[ -s $STATE/slurmctld.pid ]] && kill -0 "$(cat "$STATE/slurmctld.pid")" 2>/dev/null; then
+if alive "$STATE/slurmctld.pid"; then
   # Jobs' step daemons outlive slurmd: cancel this cluster's jobs while the controller still runs.
   SLURM_CONF=$CONF scancel --quiet --full --state=RUNNING 2>/dev/null || true
   SLURM_CONF=$CONF scancel --quiet --state=PENDING 2>/dev/null || true
