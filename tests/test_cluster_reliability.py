@@ -224,7 +224,7 @@ def lose_node(node: str, job_id: str) -> None:
     while not ended(slurmd):
         assert time.time() < deadline, "slurmd survived SIGKILL"
         time.sleep(0.1)
-    pid_file.unlink()  # as after a crash: start.sh must not take a dead (or reused) pid for this slurmd
+    # Its pid file stays, as after a crash: start.sh must not take that dead (or reused) pid for this slurmd.
     for pid in job_processes(job_id, node):
         stepd = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         for victim in (pid, stepd):

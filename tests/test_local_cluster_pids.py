@@ -5,6 +5,7 @@ not take it as running, and stop.sh must leave that other process alone."""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,19 @@ def test_a_pid_file_counts_only_for_its_own_daemon(tmp_path, stranger):
     for junk in ("", "abc\n", "999999999\n"):
         (tmp_path / "slurmd-node1.pid").write_text(junk)
         assert not alive(tmp_path / "slurmd-node1.pid"), junk
+
+
+def test_a_zombie_daemon_is_not_running(tmp_path):
+    """A daemon killed a moment ago keeps its name in /proc until it is reaped."""
+    zombie = subprocess.Popen(["sleep", "0"])
+    stat = Path(f"/proc/{zombie.pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not yet reaped (no wait())
+        time.sleep(0.01)
+    (tmp_path / "sleep.pid").write_text(f"{zombie.pid}\n")
+    try:
+        assert not alive(tmp_path / "sleep.pid")
+    finally:
+        zombie.wait()
 
 
 def test_stop_leaves_a_process_that_reused_a_daemons_pid_alone(tmp_path, stranger):
