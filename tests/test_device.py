@@ -214,6 +214,22 @@ def test_initial_weights_do_not_hang_on_the_host_generator(engine, monkeypatch):
     assert len(losses) == 1, f"{engine}: the first loss depends on the host generator's earlier state: {losses}"
 
 
+def test_a_distributed_block_leaves_the_launch_environment_as_it_found_it(monkeypatch):
+    """A one-process block's MASTER_PORT was free only when picked: no library run after the block may
+    find it (accelerate, inside `nlq eval`, once tried to listen on it after another process took it)."""
+    import os
+
+    from nlq_scale.config.schema import ParallelConfig
+    from nlq_scale.runtime.dist import LAUNCH_ENV, distributed
+
+    for name in LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")  # no RANK: not a launcher's, so the block replaces it
+    with distributed(ParallelConfig(), device="cpu"):
+        assert os.environ["LOCAL_RANK"] == "0" and os.environ["MASTER_ADDR"] == "127.0.0.1"
+    assert {name: os.environ.get(name) for name in LAUNCH_ENV} == dict.fromkeys(LAUNCH_ENV) | {"MASTER_ADDR": "10.1.2.3"}
+
+
 def test_deterministic_kernels_on_cuda_only_and_for_the_block_only(monkeypatch):
     """runtime.deterministic: torch's deterministic algorithms, a fixed cuBLAS workspace (unless the
     user set one) and megatron's deterministic_mode, on CUDA; the CPU path is left as it is."""

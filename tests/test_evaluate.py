@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from pathlib import Path
 
 import pytest
@@ -52,8 +53,8 @@ def runs(tmp_path_factory, sample_dataset) -> dict[str, Path]:
     return out
 
 
-def evaluated(run_dir: Path, *args: str) -> dict:
-    r = nlq("eval", str(run_dir), "--json", *args)
+def evaluated(run_dir: Path, *args: str, env: dict | None = None) -> dict:
+    r = nlq("eval", str(run_dir), "--json", *args, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
@@ -65,7 +66,14 @@ def accuracies(entry: dict) -> list[float]:
 def test_eval_records_accuracies_per_step_for_stock_and_remote_code_arms(runs, single_rank):
     full = evaluated(runs["linear"], "--tasks", "nlq_lastword,nlq_cloze")
     assert {t: r["n"] for t, r in full["tasks"].items()} == {"nlq_lastword": 100, "nlq_cloze": 100}
-    limited = evaluated(runs["nonlinear"], "--tasks", "nlq_cloze", "--limit", "12", "--step", "3")
+    # Started by a one-process launcher whose MASTER_PORT another process holds now: lm-eval's
+    # accelerate must not try to rendezvous there (a CI run failed on it: EADDRINUSE).
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        launcher = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held.getsockname()[1])}  # fmt: skip
+        limited = evaluated(runs["nonlinear"], "--tasks", "nlq_cloze", "--limit", "12", "--step", "3", env=launcher)
     assert limited["tasks"]["nlq_cloze"]["n"] == 12 and limited["arm"] == "nonlinear"
     for entry in (full, limited):
         assert entry["step"] == 3 and entry["tokens"] > 0 and entry["device"] == "cpu"

@@ -134,6 +134,7 @@ def evaluate(run_dir: Path, tasks: list[str], step: int | None = None, limit: in
     """Scores the checkpoint on `tasks`, records the result in run_dir's eval.json, returns the entry."""
     from nlq_scale.export.checkpoint import find_checkpoint
     from nlq_scale.export.hf import export_checkpoint, stock_class
+    from nlq_scale.runtime.dist import launch_env_restored
 
     if limit is not None and limit < 1:
         raise UsageError(f"--limit {limit}: must be >= 1")
@@ -150,9 +151,12 @@ def evaluate(run_dir: Path, tasks: list[str], step: int | None = None, limit: in
         remote_code = stock_class(ckpt.cfg.model) is None
         from lm_eval import simple_evaluate
 
-        results = simple_evaluate(model=_model(Path(tmp) / "export", batch_size, remote_code, device),
-                                  tasks=list(loaded.values()), limit=limit, bootstrap_iters=BOOTSTRAP_ITERS,
-                                  log_samples=False)  # fmt: skip
+        # lm-eval runs in this one process. A rank's environment inherited from a launcher (a
+        # LOCAL_RANK) makes accelerate open a process group on a MASTER_PORT it does not own.
+        with launch_env_restored(hidden=True):
+            results = simple_evaluate(model=_model(Path(tmp) / "export", batch_size, remote_code, device),
+                                      tasks=list(loaded.values()), limit=limit, bootstrap_iters=BOOTSTRAP_ITERS,
+                                      log_samples=False)  # fmt: skip
     entry = {
         "step": ckpt.step, "tokens": tokens_at(run_dir, ckpt.step), "arm": ckpt.cfg.model.arm,
         "lm_eval": metadata.version("lm_eval"), "device": device,

@@ -107,6 +107,27 @@ def detect_env() -> DistEnv:
     return DistEnv(0, 1, 0, 1, "127.0.0.1", free_port())
 
 
+# What a launcher (torchrun, our --nproc launcher) sets and export_env writes.
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def launch_env_restored(hidden: bool = False) -> Iterator[None]:
+    """LAUNCH_ENV as it was on entry, again on exit; `hidden` removes it inside the block."""
+    saved = {name: os.environ.get(name) for name in LAUNCH_ENV}
+    if hidden:
+        for name in LAUNCH_ENV:
+            os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def export_env(env: DistEnv) -> None:
     """Make the env visible to libraries that read it (megatron checkpointing, DeepSpeed)."""
     os.environ.update(
@@ -177,9 +198,12 @@ def teardown() -> None:
 
 @contextlib.contextmanager
 def distributed(parallel: ParallelConfig, env: DistEnv | None = None, device: str = "auto") -> Iterator[World]:
-    """Init torch.distributed + megatron parallel state for the duration of the block."""
-    world = init_distributed(env or detect_env(), parallel, device)
-    try:
-        yield world
-    finally:
-        teardown()
+    """Init torch.distributed + megatron parallel state for the duration of the block. The
+    environment export_env wrote goes with them: a one-process block's MASTER_PORT was free only
+    when picked, and a library run after the block (accelerate, inside lm-eval) would rendezvous on it."""
+    with launch_env_restored():
+        world = init_distributed(env or detect_env(), parallel, device)
+        try:
+            yield world
+        finally:
+            teardown()
