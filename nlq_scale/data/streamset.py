@@ -39,6 +39,7 @@ from streaming import Stream, StreamingDataset
 
 from nlq_scale.compat import streaming as streaming_compat
 from nlq_scale.data.prepared import PreparedDataset, ShardFile, verify_shard
+from nlq_scale.runtime.environ import environment
 
 SHM_DIR = Path("/dev/shm")
 OWNER = "owner.json"
@@ -63,26 +64,12 @@ class CheckedStreamingDataset(StreamingDataset):
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
 def standalone_construction(dp_rank: int, dp_size: int, private_tmp: Path) -> Iterator[None]:
     """While a StreamingDataset is built: this rank is node `dp_rank` of `dp_size` one-rank nodes,
     streaming's lock files go to `private_tmp`, and it makes no torch.distributed call."""
     env = {"RANK": str(dp_rank), "WORLD_SIZE": str(dp_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_environment(env))
+        stack.enter_context(environment(env))
         stack.enter_context(streaming_compat.standalone(private_tmp))
         yield
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from nlq_scale.config.schema import ParallelConfig
 from nlq_scale.runtime import cpu_shim
 from nlq_scale.runtime.device import Device, resolve_device
+from nlq_scale.runtime.environ import environment
 
 
 @dataclass(frozen=True)
@@ -111,21 +112,9 @@ def detect_env() -> DistEnv:
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-@contextlib.contextmanager
-def launch_env_restored(hidden: bool = False) -> Iterator[None]:
+def launch_env_restored(hidden: bool = False) -> contextlib.AbstractContextManager[None]:
     """LAUNCH_ENV as it was on entry, again on exit; `hidden` removes it inside the block."""
-    saved = {name: os.environ.get(name) for name in LAUNCH_ENV}
-    if hidden:
-        for name in LAUNCH_ENV:
-            os.environ.pop(name, None)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return environment({name: None if hidden else os.environ.get(name) for name in LAUNCH_ENV})
 
 
 def export_env(env: DistEnv) -> None:
