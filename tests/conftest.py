@@ -90,6 +90,14 @@ def sample_dataset(tmp_path_factory) -> Path:
     return out
 
 
+def ended(pid: int) -> bool:
+    """Gone, or a zombie its parent has not reaped yet (which `kill -0` still finds)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     import json
 

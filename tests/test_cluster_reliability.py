@@ -20,7 +20,7 @@ from nlq_scale.cluster.plan import load_cluster
 from nlq_scale.cluster.status import collect
 from nlq_scale.train.rundir import STALE_FLOOR_S, Status, is_stale
 from tests.test_cluster_jobs import planned, toy_loss, toy_train
-from tests.conftest import nlq
+from tests.conftest import ended, nlq
 from tests.test_cluster_slurm import (  # noqa: F401 - fixtures: the session's local SLURM and dataset
     START, events, local_slurm, one_arm_sweep, prepared_data, slurm_cluster, submit_real, wait_done, wait_step,
 )
@@ -204,14 +204,6 @@ def test_two_submits_at_once_queue_each_run_once_and_status_never_fails(slurm_cl
     assert len(set(job_ids)) == len(runs)
     scripts = list(root.rglob("*_submission.sh"))
     assert scripts and not [p for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
-
-
-def ended(pid: int) -> bool:
-    """Gone, or a zombie its parent has not reaped yet (which `kill -0` still finds)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def lose_node(node: str, job_id: str) -> None:

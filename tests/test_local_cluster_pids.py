@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, ended
 
 SCRIPTS = REPO / "slurm" / "local-cluster"
 
@@ -44,8 +44,7 @@ def test_a_pid_file_counts_only_for_its_own_daemon(tmp_path, stranger):
 def test_a_zombie_daemon_is_not_running(tmp_path):
     """A daemon killed a moment ago keeps its name in /proc until it is reaped."""
     zombie = subprocess.Popen(["sleep", "0"])
-    stat = Path(f"/proc/{zombie.pid}/stat")
-    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not yet reaped (no wait())
+    while not ended(zombie.pid):  # exited, not yet reaped (no wait()): a zombie
         time.sleep(0.01)
     (tmp_path / "sleep.pid").write_text(f"{zombie.pid}\n")
     try:

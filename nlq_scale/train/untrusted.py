@@ -16,7 +16,6 @@ import enum
 import functools
 import importlib
 import io
-import os
 import pickle
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from nlq_scale.compat import deepspeed as deepspeed_compat
 from nlq_scale.compat import torch as torch_compat
 from nlq_scale.errors import RunFailure, UsageError
+from nlq_scale.runtime.environ import environment
 
 # The classes each format pickles besides tensors: numpy's RNG state (rng/rank_<r>.pt), DeepSpeed's
 # ZeRO optimizer states. Named, not imported: DeepSpeed is only there when its engine runs.
@@ -111,19 +111,12 @@ def _check_forcing() -> None:
 def weights_only_loads(where: Path) -> Iterator[None]:
     """Every torch.load inside, including the engines' own (DeepSpeed passes weights_only=False), is
     weights-only with the allowlist; a refusal becomes one line naming `where`."""
-    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        with _only_allowed():
+        with environment({"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}), _only_allowed():
             _check_forcing()
             yield
     except pickle.UnpicklingError as e:
         raise refusal(where, e) from None
-    finally:
-        if previous is None:
-            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
 
 
 class _MetadataUnpickler(pickle.Unpickler):
