@@ -107,6 +107,8 @@ def test_recompute_and_sharding_shrink_what_they_should():
     cluster = load_cluster("example-8x80gb")
     acts = [plan("1.3b", cluster, f"parallel.recompute={r}").memory.activations for r in ("none", "selective", "full")]
     assert acts[0] > acts[1] > acts[2]
+    # SDPA's kernels keep no s x s probabilities: without recompute, what selective recompute keeps
+    assert plan("1.3b", cluster, "parallel.recompute=none", "model.core_attention=sdpa").memory.activations == acts[1]
     zero = [plan("1.3b", cluster, "train.engine=deepspeed", f"train.zero_stage={z}").memory for z in (0, 1, 2, 3)]
     assert zero[0].optimizer == 8 * zero[1].optimizer  # Adam state split over dp = 8
     assert zero[1].grads == 8 * zero[2].grads and zero[2].params == 8 * zero[3].params

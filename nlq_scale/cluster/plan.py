@@ -10,9 +10,9 @@ Memory per GPU (the stage that holds the most):
   sequence parallelism) + sb(q + k + v + context + 2 ffn)/t inside the tensor-parallel regions +
   what the arm's query path adds (Arm.activation_elements; with parallel.recompute_query only what
   Arm.recomputed_activation_elements keeps, plus one layer's recomputation in flight) +
-  a s^2 b / t attention probabilities unless recompute is selective or full; full recompute keeps only
-  each layer's input plus one layer's working set. The first pipeline stage holds min(pp, micro-batches)
-  micro-batches in flight (1F1B). The last stage also holds the fp32 logits' softmax and its gradient
+  a s^2 b / t attention probabilities unless recompute is selective or full or model.core_attention is
+  sdpa; full recompute keeps only each layer's input plus one layer's working set. The first pipeline
+  stage holds min(pp, micro-batches) micro-batches in flight (1F1B). The last stage also holds the fp32 logits' softmax and its gradient
   (2 x sbV/t x 4 bytes), which dominate tiny models.
 Layout search: the smallest model-parallel size that fits, preferring tensor parallelism inside a node
 over pipeline stages (pp = 1, 2, 4, ... outer; tp = 1, 2, 4, ... up to GPUs per node inner); then the
@@ -182,7 +182,7 @@ def layer_activation_elements(
     replicated = 4 * s * b * h + arm_replicated
     split = s * b * (a * dk + 2 * g * dk + a * dk + 2 * ffn_hidden_size(m)) + arm_split
     full = replicated / (tp if sp else 1) + split / tp
-    if recompute == "none":
+    if recompute == "none" and m.core_attention != "sdpa":  # SDPA's kernels keep softmax statistics only
         full += a * s * s * b / tp
     if recompute == "full":
         return s * b * h / (tp if sp else 1)

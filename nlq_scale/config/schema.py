@@ -77,6 +77,12 @@ class _ModelFields(Strict):
     transformer_impl: Literal["local", "transformer_engine"] = Field(
         "local", description="transformer_engine needs a GPU with TE installed (untested on CPU)"
     )
+    core_attention: Literal["default", "sdpa"] = Field(
+        "default",
+        description="sdpa: softmax(qk^T)v through torch's scaled_dot_product_attention (its fused kernels on CPU and "
+        "GPU; no s x s probabilities kept for backward), transformer_impl=local only; default: megatron's unfused "
+        "attention (local) or Transformer Engine's (docs/performance.md)",
+    )
     bf16: bool = Field(False, description="bf16 parameters/compute (GPU; CPU works but is slow)")
 
     @property
@@ -117,6 +123,8 @@ class _ModelFields(Strict):
             self._solve_matched_width()
         if not self.norm_bias and self.transformer_impl != "local":
             raise ValueError("norm_bias=false needs transformer_impl=local (TE fuses its biased LayerNorm)")
+        if self.core_attention == "sdpa" and self.transformer_impl != "local":
+            raise ValueError("core_attention=sdpa needs transformer_impl=local (Transformer Engine brings its own fused attention)")
         if self.parametrization == "mup" and self.mup_base_hidden_size is None:
             raise ValueError("parametrization=mup needs mup_base_hidden_size (the width the learning rate was tuned at)")
         if self.moe.num_experts is not None and self.add_bias_linear:

@@ -22,6 +22,7 @@ from nlq_scale import arms
 from nlq_scale.config.schema import ModelConfig, ParallelConfig
 from nlq_scale.model import mup
 from nlq_scale.model.accounting import ffn_hidden_size
+from nlq_scale.model.core_attention import SDPAttention
 from nlq_scale.model.norms import BlockNorm, HeadRMSNorm
 
 
@@ -116,6 +117,8 @@ def _stock_spec(m: ModelConfig) -> ModuleSpec:
     else:
         spec = get_gpt_layer_local_spec(num_experts=m.moe.num_experts, qk_layernorm=learned, normalization=m.normalization)
     attention = spec.submodules.self_attention.submodules
+    if m.core_attention == "sdpa":
+        attention.core_attention = SDPAttention
     if m.qk_norm == "rms":
         attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
     if _block_norms_are_ours(m):
