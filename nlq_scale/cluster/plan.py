@@ -12,8 +12,8 @@ Memory per GPU (the stage that holds the most):
   Arm.recomputed_activation_elements keeps, plus one layer's recomputation in flight) +
   a s^2 b / t attention probabilities unless recompute is selective or full or model.core_attention is
   sdpa; full recompute keeps only each layer's input plus one layer's working set. The first pipeline
-  stage holds min(pp, micro-batches) micro-batches in flight (1F1B). The last stage also holds the fp32 logits' softmax and its gradient
-  (2 x sbV/t x 4 bytes), which dominate tiny models.
+  stage holds min(pp, micro-batches) micro-batches in flight (1F1B). The last stage also holds the
+  fp32 logits' softmax and its gradient (2 x sbV/t x 4 bytes), which dominate tiny models.
 Layout search: the smallest model-parallel size that fits, preferring tensor parallelism inside a node
 over pipeline stages (pp = 1, 2, 4, ... outer; tp = 1, 2, 4, ... up to GPUs per node inner); then the
 query MLP's recompute is turned on (unless the sweep sets parallel.recompute_query) and the

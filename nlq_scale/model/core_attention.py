@@ -6,7 +6,7 @@ kernels instead (flash / memory-efficient on CUDA, a flash kernel on the CPU), w
 softmax statistics. The subclass keeps megatron's constructor (heads and scale per partition, the
 process groups, the sharded state dict) and its forward for every case SDPA is not asked to cover:
 an explicit mask, attention bias, packed sequences, sliding windows, a softmax offset, query-key
-layer scaling, or attention dropout while training.
+layer scaling, attention dropout while training, or a causal chunk of queries against a longer cache.
 """
 
 from __future__ import annotations
