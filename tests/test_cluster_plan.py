@@ -83,12 +83,15 @@ def test_the_planner_turns_sequence_parallelism_on_where_a_layout_fits_only_with
     assert roomy.fits and not roomy.layout.sequence_parallel
 
 
-def test_175b_in_fp32_without_recompute_cannot_fit_any_pipeline():
-    """The first stage keeps L layers of activations in flight whatever pp is (1F1B): ~72 GB here,
-    unless sequence parallelism splits them over TP (the planner turns it on)."""
-    p = plan("175b", load_cluster("example-8x80gb"), "model.bf16=false", sequence_parallel=False)
+def test_175b_in_fp32_without_recompute_cannot_fit_any_pipeline_with_megatrons_attention():
+    """The first stage keeps L layers of activations in flight whatever pp is (1F1B): ~72 GB here with
+    megatron's unfused attention (its s x s probabilities kept), unless sequence parallelism splits them
+    over TP (the planner turns it on), or SDPA (the default) keeps no probabilities."""
+    cluster, fp32 = load_cluster("example-8x80gb"), ("model.bf16=false", "model.core_attention=stock")
+    p = plan("175b", cluster, *fp32, sequence_parallel=False)
     assert not p.fits and p.memory.activations > 65 * GB and "needs" in p.reason
-    assert plan("175b", load_cluster("example-8x80gb"), "model.bf16=false").layout.sequence_parallel
+    assert plan("175b", cluster, *fp32).layout.sequence_parallel
+    assert plan("175b", cluster, "model.bf16=false", sequence_parallel=False).fits
 
 
 def test_gpu_scales_are_priced_in_bf16_and_learn_the_cluster_device():
@@ -105,10 +108,11 @@ def test_gpu_scales_are_priced_in_bf16_and_learn_the_cluster_device():
 
 def test_recompute_and_sharding_shrink_what_they_should():
     cluster = load_cluster("example-8x80gb")
-    acts = [plan("1.3b", cluster, f"parallel.recompute={r}").memory.activations for r in ("none", "selective", "full")]
+    acts = [plan("1.3b", cluster, f"parallel.recompute={r}", "model.core_attention=stock").memory.activations
+            for r in ("none", "selective", "full")]  # fmt: skip
     assert acts[0] > acts[1] > acts[2]
-    # SDPA's kernels keep no s x s probabilities: without recompute, what selective recompute keeps
-    assert plan("1.3b", cluster, "parallel.recompute=none", "model.core_attention=sdpa").memory.activations == acts[1]
+    # SDPA's kernels (the default) keep no s x s probabilities: without recompute, what selective recompute keeps
+    assert plan("1.3b", cluster, "parallel.recompute=none").memory.activations == acts[1]
     zero = [plan("1.3b", cluster, "train.engine=deepspeed", f"train.zero_stage={z}").memory for z in (0, 1, 2, 3)]
     assert zero[0].optimizer == 8 * zero[1].optimizer  # Adam state split over dp = 8
     assert zero[1].grads == 8 * zero[2].grads and zero[2].params == 8 * zero[3].params

@@ -45,7 +45,7 @@ def _core_attentions(model) -> set[type]:
 @pytest.mark.parametrize("arm", arms.names())
 def test_sdpa_gives_megatron_attentions_loss_and_gradients(single_rank, sdpa_calls, arm, shape):
     overrides = SHAPES[shape]
-    stock, sdpa = (case_config(arm, [*overrides, f"model.core_attention={c}"]) for c in ("default", "sdpa"))
+    stock, sdpa = (case_config(arm, [*overrides, f"model.core_attention={c}"]) for c in ("stock", "sdpa"))
     assert _core_attentions(build_model(stock)) == {DotProductAttention}
     assert _core_attentions(build_model(sdpa)) == {SDPAttention}
     expected = _loss_and_gradients(stock)
@@ -63,7 +63,7 @@ def test_sdpa_generates_megatron_attentions_tokens_from_the_kv_cache(single_rank
     from nlq_scale.export.generate import decode_harness
 
     prompt = [11, 22, 33, 44, 55]
-    stock, sdpa = (case_config(arm, ["model.num_query_groups=2", f"model.core_attention={c}"]) for c in ("default", "sdpa"))
+    stock, sdpa = (case_config(arm, ["model.num_query_groups=2", f"model.core_attention={c}"]) for c in ("stock", "sdpa"))
     expected = decode_harness(build_model(stock).eval(), prompt, 12, EOT_ID)
     got = decode_harness(build_model(sdpa).eval(), prompt, 12, EOT_ID)
     assert got == expected
@@ -74,3 +74,28 @@ def test_sdpa_generates_megatron_attentions_tokens_from_the_kv_cache(single_rank
 def test_sdpa_is_refused_with_transformer_engine():
     with pytest.raises(UsageError, match="core_attention=sdpa needs transformer_impl=local"):
         case_config("linear", ["model.core_attention=sdpa", "model.transformer_impl=transformer_engine"])
+
+
+def test_auto_resolves_once_to_sdpa_with_the_local_spec_and_to_transformer_engines_own():
+    assert case_config("linear", []).model.core_attention == "sdpa"
+    assert case_config("linear", ["model.transformer_impl=transformer_engine"]).model.core_attention == "stock"
+    assert case_config("linear", ["model.core_attention=default"]).model.core_attention == "stock"  # its old name
+
+
+def test_a_run_saved_before_core_attention_existed_resumes_with_the_change_recorded(tmp_path):
+    import json
+
+    import yaml
+
+    from nlq_scale.train import rundir
+
+    cfg = case_config("linear", [])
+    rundir.claim(tmp_path, cfg)
+    old = yaml.safe_load((tmp_path / rundir.CONFIG_FILE).read_text())
+    del old["model"]["core_attention"]
+    (tmp_path / rundir.CONFIG_FILE).write_text(yaml.safe_dump(old, sort_keys=False))
+    assert rundir.read_config(tmp_path).model.core_attention == "stock"  # megatron's attention trained it
+    assert rundir.claim(tmp_path, cfg)
+    change = json.loads((tmp_path / rundir.CHANGES_FILE).read_text().splitlines()[-1])
+    assert change["changes"] == {"model.core_attention": ["stock", "sdpa"]}
+    assert rundir.read_config(tmp_path).model.core_attention == "sdpa"

@@ -77,11 +77,12 @@ class _ModelFields(Strict):
     transformer_impl: Literal["local", "transformer_engine"] = Field(
         "local", description="transformer_engine needs a GPU with TE installed (untested on CPU)"
     )
-    core_attention: Literal["default", "sdpa"] = Field(
-        "default",
+    core_attention: Literal["auto", "sdpa", "stock"] = Field(
+        "auto",
         description="sdpa: softmax(qk^T)v through torch's scaled_dot_product_attention (its fused kernels on CPU and "
-        "GPU; no s x s probabilities kept for backward), transformer_impl=local only; default: megatron's unfused "
-        "attention (local) or Transformer Engine's (docs/performance.md)",
+        "GPU; no s x s probabilities kept for backward), transformer_impl=local only; stock: the layer spec's own "
+        "(megatron's unfused attention, or Transformer Engine's); auto: sdpa with transformer_impl=local, stock with "
+        "transformer_engine (docs/performance.md)",
     )
     bf16: bool = Field(False, description="bf16 parameters/compute (GPU; CPU works but is slow)")
 
@@ -102,6 +103,11 @@ class _ModelFields(Strict):
     @classmethod
     def _qk_norm_bool(cls, v: object) -> object:
         return {True: "learned", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
+    @field_validator("core_attention", mode="before")
+    @classmethod
+    def _core_attention_old_name(cls, v: object) -> object:
+        return "stock" if v == "default" else v  # its name in configs written before auto existed
 
     @model_validator(mode="after")
     def _shapes(self) -> _ModelFields:
@@ -125,6 +131,8 @@ class _ModelFields(Strict):
             raise ValueError("norm_bias=false needs transformer_impl=local (TE fuses its biased LayerNorm)")
         if self.core_attention == "sdpa" and self.transformer_impl != "local":
             raise ValueError("core_attention=sdpa needs transformer_impl=local (Transformer Engine brings its own fused attention)")
+        if self.core_attention == "auto":  # resolved once, past validate_assignment (as _solve_matched_width)
+            self.__dict__["core_attention"] = "sdpa" if self.transformer_impl == "local" else "stock"
         if self.parametrization == "mup" and self.mup_base_hidden_size is None:
             raise ValueError("parametrization=mup needs mup_base_hidden_size (the width the learning rate was tuned at)")
         if self.moe.num_experts is not None and self.add_bias_linear:

@@ -41,6 +41,7 @@ OPERATIONAL = (
     "train.device_peak_flops",
     "data.num_workers",
     "data.validation",  # further validation sets: val/<name>/loss; the fixed set (val/loss) is identity
+    "model.core_attention",  # the same attention through another kernel
 )
 # Arm options that change how the same function of the same parameters is computed (a fused norm).
 OPERATIONAL_OPTIONS = (".fuse_up",)
@@ -99,6 +100,10 @@ def read_config(run_dir: Path) -> RunConfig:
         raise UsageError(f"{path}: unreadable run config ({e})") from None
     if not isinstance(raw, dict):
         raise UsageError(f"{path}: expected a mapping")
+    if isinstance(raw.get("model"), dict):
+        # written before model.core_attention existed: megatron's own attention trained it, so a resume
+        # that now runs SDPA records the change (config-changes.jsonl) instead of hiding it
+        raw["model"].setdefault("core_attention", "stock")
     return build_run_config(raw, str(path))
 
 
