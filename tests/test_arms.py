@@ -350,8 +350,9 @@ FUSED_TWINS = {
 @pytest.mark.slow
 def test_tp2_and_pp2_give_the_tp1_loss_and_export_to_it(single_rank, tmp_path):
     """Reference weights through megatron's pipeline schedule at TP=2 (with and without sequence
-    parallelism) and PP=2 vs TP=1, for every arm (SDPA core attention), two variants and megatron's own core attention (TP=1 equals the reference by
-    test_logits_equal_the_reference); and each layout's checkpoint, exported, gives its loss. A fused
+    parallelism) and PP=2 vs TP=1, for every arm (SDPA core attention), two variants and megatron's own
+    core attention (TP=1 equals the reference by test_logits_equal_the_reference); and each layout's
+    checkpoint, exported, gives its loss. A fused
     RMSNorm (fuse_up) gives its unfused twin's gradients on every rank of every layout."""
     cases = [*arms.names()] + [
         "|".join([arm, *VARIANTS[variant]]) for arm, variant in (("nonlinear", "nobias-rmsqk"), ("identity", "learnedqk-rope-gqa"))
