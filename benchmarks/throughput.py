@@ -23,6 +23,10 @@ scaled_dot_product_attention (model.core_attention=auto); `linear_stock`, `nonli
 what SDPA gains the linear arm, and `nonlinear_stock_over_linear_stock` (`identity_stock_over_linear_stock`)
 the arms' ratio without it.
 
+The measuring processes run on tcmalloc where it is installed (`--cpu-allocator auto`, as the
+`--nproc` ranks do: runtime.cpu_allocator); `--cpu-allocator system` keeps glibc's malloc, which
+faults a step's freed activations in again at every step. `allocator` says which one ran.
+
 Goals: nonlinear_over_linear >= 0.97, harness_over_reference >= 1.0, mfu >= 0.75 for every arm.
 """
 
@@ -49,6 +53,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--scale", default=None, help="a shipped scale whose model shape to use (overrides --hidden ... --seq)")
     p.add_argument("--matmul-size", type=int, default=2048, help="square fp32 matmul for the peak")
     p.add_argument("--processes", type=int, default=1, help="fresh processes to run it in, one after another (medians)")
+    p.add_argument("--cpu-allocator", choices=("auto", "system"), default="auto",
+                   help="host allocator of the measuring processes (runtime.cpu_allocator)")
     return p.parse_args()
 
 
@@ -145,8 +151,10 @@ def main() -> None:
     from nlq_scale.runtime.dist import distributed
 
     from nlq_scale.model.accounting import flops_per_token
+    from nlq_scale.runtime.allocator import loaded_allocator, restart_with
 
     a = parse()
+    restart_with(a.cpu_allocator)
     if a.processes > 1:
         print(json.dumps(across_processes(a.processes)))
         return
@@ -180,6 +188,7 @@ def main() -> None:
                 "shape": {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_attention_heads, "seq": seq,
                           "batch": a.batch, "vocab": m.padded_vocab_size},
                 "threads": torch.get_num_threads(),
+                "allocator": loaded_allocator(),
                 "rounds": a.rounds,
                 **{f"tokens_per_s_{name}": round(v, 1) for name, v in tps.items()},
                 "nonlinear_over_linear": round(tps["nonlinear"] / tps["linear"], 4),

@@ -1,6 +1,7 @@
 """Training must-shows on CPU at the tiny scale: bit-exact resume after SIGKILL, resume at another
 world size, identical streams across arms, truncated checkpoints, divergence, bad input."""
 
+import ctypes.util
 import json
 import os
 import signal
@@ -110,6 +111,9 @@ def test_sigkill_and_relaunch_is_bit_exact(uninterrupted, sample_dataset, tmp_pa
         want, got = last_by_step(a, key), last_by_step(b, key)
         assert [got[s] for s in sorted(got) if s > CHECKPOINT] == [want[s] for s in sorted(want) if s > CHECKPOINT], key
     assert any(r.get("event") == "resume" for r in b)
+    # The --nproc ranks run tcmalloc where it is installed (runtime.cpu_allocator: auto); same bits.
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["allocator"] == ("tcmalloc" if ctypes.util.find_library("tcmalloc_minimal") else "system")
     final_a = model_tensors(engine, uninterrupted / "checkpoints" / f"step_{STEPS}", tmp_path)
     final_b = model_tensors(engine, run_dir / "checkpoints" / f"step_{STEPS}", tmp_path)
     assert final_a.keys() == final_b.keys() and any("word_embeddings" in k for k in final_a)
@@ -131,6 +135,7 @@ def test_saved_at_two_ranks_resumes_at_one(uninterrupted, sample_dataset, tmp_pa
         assert abs(got[step] - want[step]) < 1e-4, (step, got[step], want[step])
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["layout"]["world_size"] == 1 and manifest["layout"]["engine"] == engine
+    assert manifest["allocator"] == "system"  # one in-process rank keeps the allocator it started with
 
 
 # Layouts a checkpoint is saved at and resumed from at DP=2, per engine (DeepSpeed runs PP=1 only),

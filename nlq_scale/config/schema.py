@@ -315,6 +315,13 @@ class RuntimeConfig(Strict):
         "megatron's deterministic_mode), so a resumed run repeats the uninterrupted one bit for bit; false is "
         "faster and a resume then matches only to rounding. The CPU is deterministic either way",
     )
+    cpu_allocator: Literal["auto", "system"] = Field(
+        "auto",
+        description="host allocator of the CPU rank processes `--nproc` starts: auto preloads tcmalloc where it is "
+        "installed (Debian's libtcmalloc-minimal4), which reuses freed activation memory where glibc's malloc returns "
+        "it to the OS and faults it in again at every step; system keeps glibc's. A process started directly keeps "
+        "the allocator it was started with (LD_PRELOAD)",
+    )
 
 
 def _sequences_from_tokens(section: Strict, key: str, tokens: int | None, seq_length: int) -> None:

@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from nlq_scale.runtime.allocator import preload_env
 from nlq_scale.runtime.dist import STORE_HOSTED
 from nlq_scale.train.signals import STOP_SIGNALS
 
@@ -31,10 +32,11 @@ def hosted_store() -> Iterator[int]:
         del store
 
 
-def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
-    """The environment of local rank `rank` of `nproc`, joining the store hosted_store serves on `port`."""
+def rank_env(rank: int, nproc: int, port: int, cpu_allocator: str = "auto") -> dict[str, str]:
+    """The environment of local rank `rank` of `nproc`, joining the store hosted_store serves on `port`,
+    with the host allocator `runtime.cpu_allocator` asks for."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    return os.environ | {
+    return preload_env(cpu_allocator, dict(os.environ)) | {
         "RANK": str(rank),
         "WORLD_SIZE": str(nproc),
         "LOCAL_RANK": str(rank),
@@ -46,11 +48,12 @@ def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     }
 
 
-def launch_local(python_args: list[str], nproc: int, grace_s: float = 30.0) -> int:
+def launch_local(python_args: list[str], nproc: int, cpu_allocator: str = "auto", grace_s: float = 30.0) -> int:
     """Run `python <python_args...>` as ranks 0..nproc-1; returns the worst exit code."""
     with hosted_store() as port:
         children = [
-            subprocess.Popen([sys.executable, *python_args], env=rank_env(r, nproc, port)) for r in range(nproc)
+            subprocess.Popen([sys.executable, *python_args], env=rank_env(r, nproc, port, cpu_allocator))
+            for r in range(nproc)
         ]
 
         def forward(signum: int, _frame: object) -> None:

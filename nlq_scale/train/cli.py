@@ -42,5 +42,6 @@ def run(args: argparse.Namespace) -> int:
     from nlq_scale.train.rundir import CONFIG_FILE
 
     config_path = args.run_dir / CONFIG_FILE  # written by preflight: the ranks read what was resolved
-    code = launch_local(["-m", "nlq_scale.train.entry", "--config", str(config_path), "--run-dir", str(args.run_dir)], args.nproc)
+    entry = ["-m", "nlq_scale.train.entry", "--config", str(config_path), "--run-dir", str(args.run_dir)]
+    code = launch_local(entry, args.nproc, cfg.runtime.cpu_allocator)
     return 0 if code == 0 else (2 if code == 2 else 1)

@@ -18,6 +18,7 @@ import yaml
 from nlq_scale.config.load import build_run_config, dump_run_config
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
+from nlq_scale.runtime.allocator import loaded_allocator
 
 STATES = ("pending", "running", "preempted", "diverged", "completed", "failed")
 CONFIG_FILE = "config.yaml"
@@ -285,6 +286,7 @@ def manifest(cfg: RunConfig, layout: dict, data_sha256: str | None, accounting: 
     return {
         "package": {"name": "nlq-scale", "version": _version("nlq-scale")},
         "git_sha": _git_sha(),
+        "allocator": loaded_allocator(),  # of rank 0's process in the launch that wrote this (runtime.cpu_allocator)
         "versions": {
             name: _version(name)
             for name in ("torch", "megatron-core", "deepspeed", "mosaicml-streaming", "wandb", "submitit")

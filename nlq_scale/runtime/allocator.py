@@ -1,0 +1,45 @@
+"""The host memory allocator of CPU rank processes (`runtime.cpu_allocator`).
+
+glibc's malloc hands every large block (a training step's activations and gradients, megabytes
+each) back to the OS when it is freed, so the next step faults the same memory in again, page by
+page: at the throughput benchmark's shape 300-550 thousand page faults and 0.6-1.0 s of kernel time
+per 8 s step, and more for the arm that keeps more activations. tcmalloc keeps freed blocks for
+reuse: after the first step a step faults in almost nothing. It is the allocator torch's own CPU
+launcher (torch.backends.xeon.run_cpu) preloads. The allocator of a process is fixed when it starts,
+so only processes this package starts (the `--nproc` ranks, the throughput benchmark's processes)
+can be given it; a process started directly keeps the one it was started with.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import sys
+from pathlib import Path
+
+TCMALLOC = "tcmalloc_minimal"  # Debian/Ubuntu: libtcmalloc-minimal4 (gperftools)
+PRELOAD = "LD_PRELOAD"
+
+
+def preload_env(choice: str, env: dict[str, str]) -> dict[str, str]:
+    """`env` with tcmalloc preloaded when `choice` is "auto", it is installed, and nothing is
+    preloaded already (a user's LD_PRELOAD wins)."""
+    library = ctypes.util.find_library(TCMALLOC) if choice == "auto" else None
+    if library is None or env.get(PRELOAD):
+        return env
+    return env | {PRELOAD: library}
+
+
+def loaded_allocator() -> str:
+    """Which allocator this process runs: tcmalloc, jemalloc, or the system's (glibc)."""
+    maps = Path("/proc/self/maps")
+    mapped = maps.read_text() if maps.exists() else ""
+    return next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in mapped), "system")
+
+
+def restart_with(choice: str) -> None:
+    """Replace this script's process by a fresh one on the allocator `choice` asks for, when that
+    preloads one this process does not run (a benchmark's first lines; the same pid and arguments)."""
+    env = preload_env(choice, dict(os.environ))
+    if env.get(PRELOAD) != os.environ.get(PRELOAD) and loaded_allocator() == "system":
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
