@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nlq_scale.runtime.allocator import TCMALLOC
 from tests.conftest import REPO, SCRIPTS, last_by_step, nlq, read_metrics
 
 STEPS = 30
@@ -113,7 +114,7 @@ def test_sigkill_and_relaunch_is_bit_exact(uninterrupted, sample_dataset, tmp_pa
     assert any(r.get("event") == "resume" for r in b)
     # The --nproc ranks run tcmalloc where it is installed (runtime.cpu_allocator: auto); same bits.
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["allocator"] == ("tcmalloc" if ctypes.util.find_library("tcmalloc_minimal") else "system")
+    assert manifest["allocator"] == ("tcmalloc" if ctypes.util.find_library(TCMALLOC) else "system")
     final_a = model_tensors(engine, uninterrupted / "checkpoints" / f"step_{STEPS}", tmp_path)
     final_b = model_tensors(engine, run_dir / "checkpoints" / f"step_{STEPS}", tmp_path)
     assert final_a.keys() == final_b.keys() and any("word_embeddings" in k for k in final_a)

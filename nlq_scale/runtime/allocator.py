@@ -13,6 +13,7 @@ can be given it; a process started directly keeps the one it was started with.
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import os
 import sys
 from pathlib import Path
@@ -21,10 +22,17 @@ TCMALLOC = "tcmalloc_minimal"  # Debian/Ubuntu: libtcmalloc-minimal4 (gperftools
 PRELOAD = "LD_PRELOAD"
 
 
+@functools.cache
+def _tcmalloc() -> str | None:
+    """tcmalloc's library name where it is installed. Looked up once per process: find_library runs
+    ldconfig, and a compiler and linker where ldconfig does not list it, and every rank asks."""
+    return ctypes.util.find_library(TCMALLOC)
+
+
 def preload_env(choice: str, env: dict[str, str]) -> dict[str, str]:
     """`env` with tcmalloc preloaded when `choice` is "auto", it is installed, and nothing is
     preloaded already (a user's LD_PRELOAD wins)."""
-    library = ctypes.util.find_library(TCMALLOC) if choice == "auto" else None
+    library = _tcmalloc() if choice == "auto" else None
     if library is None or env.get(PRELOAD):
         return env
     return env | {PRELOAD: library}
