@@ -9,7 +9,7 @@ import yaml
 
 from nlq_scale import arms
 from nlq_scale.cluster.plan import GB, load_cluster, memory_per_device, one_device_layout, plan_run, plan_sweep
-from nlq_scale.cluster.sweep import load_sweep
+from nlq_scale.cluster.sweep import load_sweep, sweep_path
 from nlq_scale.config.load import load_run_config
 from nlq_scale.errors import UsageError
 from nlq_scale.model.accounting import flops_per_token
@@ -108,11 +108,12 @@ def test_gpu_scales_are_priced_in_bf16_and_learn_the_cluster_device():
 
 def test_recompute_and_sharding_shrink_what_they_should():
     cluster = load_cluster("example-8x80gb")
-    acts = [plan("1.3b", cluster, f"parallel.recompute={r}", "model.core_attention=stock").memory.activations
+    at = dict(fixed_micro_batch=True)  # the config's micro-batch: otherwise each would plan its largest
+    acts = [plan("1.3b", cluster, f"parallel.recompute={r}", "model.core_attention=stock", **at).memory.activations
             for r in ("none", "selective", "full")]  # fmt: skip
     assert acts[0] > acts[1] > acts[2]
     # SDPA's kernels (the default) keep no s x s probabilities: without recompute, what selective recompute keeps
-    assert plan("1.3b", cluster, "parallel.recompute=none").memory.activations == acts[1]
+    assert plan("1.3b", cluster, "parallel.recompute=none", **at).memory.activations == acts[1]
     zero = [plan("1.3b", cluster, "train.engine=deepspeed", f"train.zero_stage={z}").memory for z in (0, 1, 2, 3)]
     assert zero[0].optimizer == 8 * zero[1].optimizer  # Adam state split over dp = 8
     assert zero[1].grads == 8 * zero[2].grads and zero[2].params == 8 * zero[3].params
@@ -223,3 +224,55 @@ def test_planner_recomputes_the_query_mlp_before_halving_the_micro_batch():
     assert not pinned.layout.recompute_query and pinned.layout.micro_batch_size < b
     linear = load_run_config("1.3b", "linear", None, ["parallel.recompute=selective"])
     assert not plan_run(linear, cluster, run_id="y", scale="1.3b", arm="linear").layout.recompute_query
+
+
+def test_data_parallel_runs_get_the_largest_micro_batch_that_fits():
+    """Under data parallelism alone the micro-batch grows from a DP rank's whole share of the global
+    batch down to the largest divisor that fits; with model parallelism it never exceeds the config's."""
+    cluster = load_cluster("example-8x80gb")
+    cfg = load_run_config("124m", "nonlinear")
+    share = cfg.train.global_batch_size // 8
+    run = plan_run(cfg, cluster, run_id="x", scale="124m", arm="nonlinear")
+    mbs = run.layout.micro_batch_size
+    assert run.fits and run.layout.dp == 8 and share % mbs == 0 and mbs > cfg.train.micro_batch_size
+    larger = [d for d in range(mbs + 1, share + 1) if share % d == 0]
+    for d in larger:  # every larger divisor of the share would not fit
+        over = load_run_config("124m", "nonlinear", None, [f"train.micro_batch_size={d}"])
+        assert not plan_run(over, cluster, run_id="x", scale="124m", arm="nonlinear", fixed_tp=1, fixed_pp=1,
+                            fixed_micro_batch=True).fits  # fmt: skip
+    big = load_run_config("13b", "linear")
+    assert plan_run(big, cluster, run_id="y", scale="13b", arm="linear").layout.micro_batch_size <= big.train.micro_batch_size
+
+
+def test_the_arms_of_a_scale_train_at_one_micro_batch():
+    """Planned alone, 1.3b's nonlinear arm (more activations) gets a smaller micro-batch than linear on
+    80 GB; in a sweep every run of the scale trains at the smaller one, so tokens/s compare alike."""
+    cluster = load_cluster("example-8x80gb")
+    alone = {arm: plan_run(load_run_config("1.3b", arm), cluster, run_id=arm, scale="1.3b", arm=arm).layout
+             for arm in ("linear", "nonlinear")}  # fmt: skip
+    assert alone["nonlinear"].micro_batch_size < alone["linear"].micro_batch_size
+    runs = plan_sweep(load_sweep(sweep_path("ladder")), cluster, ["data.path=/d"])
+    for scale in {r.spec.scale for r in runs}:
+        at = {(r.plan.layout.micro_batch_size, r.plan.layout.grad_accum, r.cfg.train.micro_batch_size)
+              for r in runs if r.spec.scale == scale}  # fmt: skip
+        assert len(at) == 1, (scale, at)
+    linear_13 = next(r for r in runs if r.spec.scale == "1.3b" and r.spec.arm == "linear")
+    assert linear_13.plan.layout.micro_batch_size == alone["nonlinear"].micro_batch_size
+    assert linear_13.plan.memory.total < memory_per_device(linear_13.cfg, alone["linear"]).total
+
+
+# Peak memory (torch.cuda.max_memory_allocated) of 124M training steps on one H100: bf16, megatron
+# engine, distributed optimizer, global batch 48 (docs/tested.md, fourth GPU session).
+H100_124M_PEAK_GB = {("linear", "sdpa", 12): 9.02, ("nonlinear", "sdpa", 12): 9.67, ("linear", "sdpa", 48): 29.64,
+                     ("nonlinear", "sdpa", 48): 32.19, ("linear", "stock", 12): 19.44, ("nonlinear", "stock", 12): 20.08}
+
+
+@pytest.mark.parametrize(("arm", "attention", "mbs"), list(H100_124M_PEAK_GB))
+def test_the_memory_model_covers_what_an_h100_allocated(arm, attention, mbs):
+    """The planner's estimate is at least what the GPU allocated and at most 20% above it; megatron's
+    unfused attention keeps 6 bytes per score in bf16 (fp32 softmax output and its bf16 copy)."""
+    from nlq_scale.cluster.plan import Layout
+
+    cfg = load_run_config("124m", arm, None, ["train.global_batch_size=48", f"model.core_attention={attention}"])
+    estimate = memory_per_device(cfg, Layout(1, 1, 1, 1, 1, mbs, 48 // mbs, "none", False, False)).total / GB
+    assert 1.0 <= estimate / H100_124M_PEAK_GB[(arm, attention, mbs)] <= 1.2

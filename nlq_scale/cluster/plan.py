@@ -23,7 +23,7 @@ micro-batch halved until activations fit. DP fills the run's nodes.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError
@@ -172,21 +172,30 @@ def _arm_elements(m: ModelConfig, tokens: int, recompute_query: bool) -> tuple[f
     return arm.activation_elements(m, tokens)
 
 
-def layer_activation_elements(
+def layer_activation_bytes(
     m: ModelConfig, b: int, tp: int, sp: bool, recompute: str, recompute_query: bool = False
 ) -> float:
-    """Elements one transformer layer keeps for backward, per micro-batch of b sequences, per device."""
+    """Bytes one transformer layer keeps for backward, per micro-batch of b sequences, per device."""
     s, h, dk = m.seq_length, m.hidden_size, m.head_dim
     a, g = m.num_attention_heads, m.query_groups
+    width = 2 if m.bf16 else 4
+    if recompute == "full":
+        return s * b * h / (tp if sp else 1) * width
     arm_replicated, arm_split = _arm_elements(m, s * b, recompute_query)
     replicated = 4 * s * b * h + arm_replicated
     split = s * b * (a * dk + 2 * g * dk + a * dk + 2 * ffn_hidden_size(m)) + arm_split
-    full = replicated / (tp if sp else 1) + split / tp
+    full = (replicated / (tp if sp else 1) + split / tp) * width
     if recompute == "none" and m.core_attention != "sdpa":  # SDPA's kernels keep softmax statistics only
-        full += a * s * s * b / tp
-    if recompute == "full":
-        return s * b * h / (tp if sp else 1)
+        full += a * s * s * b / tp * _score_bytes(m)
     return full
+
+
+def _score_bytes(m: ModelConfig) -> int:
+    """Bytes megatron's unfused attention keeps per [b, heads, s, s] element. In bf16 its torch softmax
+    runs in fp32 (attention_softmax_in_fp32) and backward keeps that output and its bf16 copy for the
+    value GEMM: 6 bytes (H100, 124M: 10.4 GiB per 1.8G elements, docs/performance.md); only
+    megatron's compiled fused softmax, which pip's megatron-core does not ship, keeps 2."""
+    return 6 if m.bf16 else 4
 
 
 def activation_bytes(cfg: RunConfig, layout: Layout, first: bool, last: bool) -> float:
@@ -194,15 +203,14 @@ def activation_bytes(cfg: RunConfig, layout: Layout, first: bool, last: bool) ->
     b, tp, pp = layout.micro_batch_size, layout.tp, layout.pp
     width = 2 if m.bf16 else 4
     sp = layout.sequence_parallel
-    per_layer = layer_activation_elements(m, b, tp, sp, layout.recompute, layout.recompute_query)
+    per_layer = layer_activation_bytes(m, b, tp, sp, layout.recompute, layout.recompute_query)
     layers = m.num_layers / pp
     in_flight = min(pp, layout.grad_accum) if first else 1
-    elements = per_layer * layers * in_flight
+    total = per_layer * layers * in_flight
     if layout.recompute == "full":  # one layer recomputed at a time keeps its whole working set
-        elements += layer_activation_elements(m, b, tp, sp, "none")
+        total += layer_activation_bytes(m, b, tp, sp, "none")
     elif layout.recompute_query:  # so does one layer's recomputed query path
-        elements += layer_activation_elements(m, b, tp, sp, layout.recompute) - per_layer
-    total = elements * width
+        total += layer_activation_bytes(m, b, tp, sp, layout.recompute) - per_layer
     if last:
         s, h = m.seq_length, m.hidden_size
         total += 2 * s * b * h * width  # final norm input and output
@@ -325,7 +333,8 @@ def plan_run(
     sequence_parallel: bool | None = None,
     recompute_query: bool | None = None,
 ) -> RunPlan:
-    """The first layout (smallest model parallelism, then largest micro-batch) whose memory fits.
+    """The first layout (smallest model parallelism, then largest micro-batch: `_micro_batches`)
+    whose memory fits.
     sequence_parallel: True uses it wherever tp > 1 and the config accepts it (the schema knows
     which arms and engines can); None lets the planner turn it on where a tp > 1 layout fits only
     with it, before recompute_query (it moves no more data than the all-reduces it replaces).
@@ -343,11 +352,9 @@ def plan_run(
             continue
         dp = world // (tp * pp)
         sp_choices = _sequence_parallel_choices(cfg, sequence_parallel, tp, pp)
-        mbs = cfg.train.micro_batch_size
-        while mbs >= 1:
-            divides = cfg.train.global_batch_size % (mbs * dp) == 0
+        for mbs in _micro_batches(cfg, dp, tp * pp > 1, fixed_micro_batch):
             choices = [(sp, rq) for rq in _recompute_query_choices(cfg, recompute_query) for sp in sp_choices]
-            for sp, rq in choices if divides else []:
+            for sp, rq in choices:
                 layout = Layout(
                     n, cluster.gpus_per_node, tp, pp, dp, mbs, cfg.train.global_batch_size // (mbs * dp),
                     cfg.parallel.recompute, sp, rq,
@@ -357,9 +364,6 @@ def plan_run(
                     return _plan(cfg, cluster, run_id, scale, arm, layout, mem, True)
                 if fallback is None or mem.total < fallback[1].total:
                     fallback = (layout, mem)
-            if fixed_micro_batch:
-                break
-            mbs //= 2
     if fallback is None:
         return _unfit(cfg, cluster, run_id, scale, arm, "no tp x pp x dp layout divides the model and global batch")
     layout, mem = fallback
@@ -368,6 +372,24 @@ def plan_run(
         f"mbs={layout.micro_batch_size}), cluster {cluster.name} has {cluster.usable_bytes / GB:.1f} usable"
     )
     return _plan(cfg, cluster, run_id, scale, arm, layout, mem, False, reason)
+
+
+def _micro_batches(cfg: RunConfig, dp: int, model_parallel: bool, fixed: bool) -> list[int]:
+    """Micro-batch sizes to try, largest first, each dividing a DP rank's share of the global batch.
+    Under data parallelism alone (the small models) from the whole share down: fewer, larger
+    micro-batches keep a GPU busy where many small ones leave it waiting on the host (H100, 124M: 48
+    sequences at once gave linear 1.28x and nonlinear 1.47x the tokens/s of 12, docs/performance.md).
+    With model parallelism from the config's micro-batch down: a pipeline's bubble shrinks with the
+    micro-batches per step, and a model split over GPUs already runs large GEMMs. A pinned
+    micro-batch (a sweep's parallel.micro_batch_size) is the only one tried."""
+    t = cfg.train
+    share, rest = divmod(t.global_batch_size, dp)
+    if rest:
+        return []
+    if fixed:
+        return [t.micro_batch_size] if share % t.micro_batch_size == 0 else []
+    ceiling = t.micro_batch_size if model_parallel else share
+    return [mbs for mbs in range(min(ceiling, share), 0, -1) if share % mbs == 0]
 
 
 def _sequence_parallel_choices(cfg: RunConfig, requested: bool | None, tp: int, pp: int) -> list[bool]:
@@ -439,7 +461,8 @@ def plan_sweep(sweep: SweepConfig, cluster: ClusterConfig, cli_overrides: Iterab
 def plan_specs(sweep: SweepConfig, specs: Iterable[RunSpec], cluster: ClusterConfig) -> list[PlannedRun]:
     """Plan these runs of the sweep (its parallel preferences); one that cannot fit is a UsageError."""
     prefs = sweep.parallel
-    out = []
+    specs = list(specs)
+    plans = []
     for spec in specs:
         plan = plan_run(
             spec.cfg, cluster, run_id=spec.run_id, scale=spec.scale, arm=spec.arm,
@@ -449,7 +472,31 @@ def plan_specs(sweep: SweepConfig, specs: Iterable[RunSpec], cluster: ClusterCon
         )
         if not plan.fits:
             raise UsageError(f"run {spec.run_id} cannot fit cluster {cluster.name}: {plan.reason}")
-        out.append(PlannedRun(spec, plan, apply_layout(spec.cfg, plan.layout, spec.run_id, cluster)))
+        plans.append(plan)
+    plans = _one_micro_batch_per_layout(plans, [spec.cfg for spec in specs])
+    return [PlannedRun(spec, plan, apply_layout(spec.cfg, plan.layout, spec.run_id, cluster))
+            for spec, plan in zip(specs, plans)]
+
+
+def _one_micro_batch_per_layout(plans: list[RunPlan], cfgs: list[RunConfig]) -> list[RunPlan]:
+    """The runs of a scale that share a tp x pp x dp layout all train at the smallest micro-batch any
+    of them was planned at, so that the arms' tokens/s compare like with like: the nonlinear arm's
+    extra activations would otherwise leave it a smaller micro-batch than the others, and on a GPU
+    a smaller one is slower per token. A smaller micro-batch fits wherever a larger one did."""
+    def key(p: RunPlan) -> tuple:
+        return p.scale, p.layout.tp, p.layout.pp, p.layout.dp
+
+    smallest: dict[tuple, int] = {}
+    for p in plans:
+        smallest[key(p)] = min(smallest.get(key(p), p.layout.micro_batch_size), p.layout.micro_batch_size)
+    out = []
+    for p, cfg in zip(plans, cfgs):
+        mbs = smallest[key(p)]
+        if mbs != p.layout.micro_batch_size:
+            layout = replace(p.layout, micro_batch_size=mbs,
+                             grad_accum=cfg.train.global_batch_size // (mbs * p.layout.dp))
+            p = replace(p, layout=layout, memory=memory_per_device(cfg, layout))
+        out.append(p)
     return out
 
 

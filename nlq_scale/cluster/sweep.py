@@ -117,7 +117,7 @@ class ParallelPrefs(Strict):
                                            "allows it; None = where a layout fits only with it")
     distributed_optimizer: bool | None = Field(None, description="megatron engine: shard optimizer state over DP")
     zero_stage: int | None = Field(None, ge=0, le=3, description="deepspeed engine: ZeRO stage")
-    micro_batch_size: PositiveInt | None = Field(None, description="None = the scale's, halved until it fits")
+    micro_batch_size: PositiveInt | None = Field(None, description="None = the planner's: the largest that fits (docs/slurm.md); a number pins it")
 
     def nodes_for(self, scale: str) -> int | None:
         if isinstance(self.nodes, dict):
