@@ -10,14 +10,16 @@ Memory per GPU (the stage that holds the most):
   sequence parallelism) + sb(q + k + v + context + 2 ffn)/t inside the tensor-parallel regions +
   what the arm's query path adds (Arm.activation_elements; with parallel.recompute_query only what
   Arm.recomputed_activation_elements keeps, plus one layer's recomputation in flight) +
-  a s^2 b / t attention probabilities unless recompute is selective or full or model.core_attention is
-  sdpa; full recompute keeps only each layer's input plus one layer's working set. The first pipeline
+  a s^2 b / t attention probabilities (6 bytes each in bf16, `_score_bytes`) unless recompute is
+  selective or full or model.core_attention is sdpa; full recompute keeps only each layer's input
+  plus one layer's working set. The first pipeline
   stage holds min(pp, micro-batches) micro-batches in flight (1F1B). The last stage also holds the
   fp32 logits' softmax and its gradient (2 x sbV/t x 4 bytes), which dominate tiny models.
 Layout search: the smallest model-parallel size that fits, preferring tensor parallelism inside a node
-over pipeline stages (pp = 1, 2, 4, ... outer; tp = 1, 2, 4, ... up to GPUs per node inner); then the
-query MLP's recompute is turned on (unless the sweep sets parallel.recompute_query) and the
-micro-batch halved until activations fit. DP fills the run's nodes.
+over pipeline stages (pp = 1, 2, 4, ... outer; tp = 1, 2, 4, ... up to GPUs per node inner); then,
+for each micro-batch from the largest down (`_micro_batches`), the query MLP's recompute where only
+it makes that micro-batch fit (unless the sweep sets parallel.recompute_query). DP fills the run's
+nodes. A sweep's runs of one scale and layout then share the smallest micro-batch any of them got.
 """
 
 from __future__ import annotations
