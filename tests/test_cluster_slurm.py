@@ -110,6 +110,11 @@ def cluster_view(run_dirs: list[Path]) -> str:
             f"status: {[executors.read_json(d / 'status.json') for d in run_dirs]}\nlogs: {tails}")
 
 
+# Steps of a run preempted after step 8: enough that it is still training when SLURM's preemption lands
+# (with 30, a run on tcmalloc's faster steps once finished first, and the test saw no preemption).
+PREEMPTED_STEPS = 100
+
+
 def preempt_with_urgent_job() -> None:
     """A job in the higher-priority partition that needs both nodes: SLURM preempts the running batch job."""
     subprocess.run(["srun", "-p", "urgent", "-N2", "-n2", "--job-name=urgent", "true"],
@@ -274,7 +279,7 @@ def test_real_two_arm_sweep_then_resubmit_submits_nothing(slurm_cluster, prepare
 def test_real_preemption_resumes_to_the_uninterrupted_loss(slurm_cluster, prepared_data, tmp_path, one_arm_sweep):
     """...and its evaluation job (sweep key `eval`, afterok on the training job) waits through the
     requeue and scores the completed run."""
-    overrides = (f"data.path={prepared_data}", "train.steps=30", "checkpoint.every=0")
+    overrides = (f"data.path={prepared_data}", f"train.steps={PREEMPTED_STEPS}", "checkpoint.every=0")
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     evaluated = edited_sweep(tmp_path / "evaluated.yaml", arms=["linear"], eval=EVAL)
     (run,) = submit_real(interrupted, *overrides, sweep=evaluated)["runs"]
@@ -293,7 +298,7 @@ def test_real_preemption_resumes_to_the_uninterrupted_loss(slurm_cluster, prepar
 
     assert final_val(run_dir) == final_val(ref_dir)
     (entry,) = wait_eval(run_dir, run["eval_job_id"]).values()
-    assert entry["step"] == 30 and entry["tasks"]["nlq_cloze"]["n"] == EVAL["limit"]
+    assert entry["step"] == PREEMPTED_STEPS and entry["tasks"]["nlq_cloze"]["n"] == EVAL["limit"]
 
 
 def wait_eval(run_dir: Path, job_id: str, timeout: float = 300) -> dict:
@@ -352,7 +357,7 @@ def test_sbatch_template_trains_and_requeues_itself_after_preemption(slurm_clust
     out = subprocess.run(
         ["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", f"--output={tmp_path}/sbatch-%j.out",
          str(REPO / "slurm" / "train.sbatch"), str(run_dir), "--scale", "cpu-xs", "--arm", "linear",
-         f"data.path={prepared_data}", "train.steps=30", "logging.wandb=false"],
+         f"data.path={prepared_data}", f"train.steps={PREEMPTED_STEPS}", "logging.wandb=false"],
         capture_output=True, text=True, cwd=REPO, env=env, check=True,
     )
     job = out.stdout.strip()
