@@ -180,7 +180,7 @@ def layer_activation_bytes(
     """Bytes one transformer layer keeps for backward, per micro-batch of b sequences, per device."""
     s, h, dk = m.seq_length, m.hidden_size, m.head_dim
     a, g = m.num_attention_heads, m.query_groups
-    width = 2 if m.bf16 else 4
+    width = _activation_width(m)
     if recompute == "full":
         return s * b * h / (tp if sp else 1) * width
     arm_replicated, arm_split = _arm_elements(m, s * b, recompute_query)
@@ -190,6 +190,11 @@ def layer_activation_bytes(
     if recompute == "none" and m.core_attention != "sdpa":  # SDPA's kernels keep softmax statistics only
         full += a * s * s * b / tp * _score_bytes(m)
     return full
+
+
+def _activation_width(m: ModelConfig) -> int:
+    """Bytes per activation element: the model's compute precision."""
+    return 2 if m.bf16 else 4
 
 
 def _score_bytes(m: ModelConfig) -> int:
@@ -203,7 +208,7 @@ def _score_bytes(m: ModelConfig) -> int:
 def activation_bytes(cfg: RunConfig, layout: Layout, first: bool, last: bool) -> float:
     m = cfg.model
     b, tp, pp = layout.micro_batch_size, layout.tp, layout.pp
-    width = 2 if m.bf16 else 4
+    width = _activation_width(m)
     sp = layout.sequence_parallel
     per_layer = layer_activation_bytes(m, b, tp, sp, layout.recompute, layout.recompute_query)
     layers = m.num_layers / pp
@@ -358,7 +363,7 @@ def plan_run(
             choices = [(sp, rq) for rq in _recompute_query_choices(cfg, recompute_query) for sp in sp_choices]
             for sp, rq in choices:
                 layout = Layout(
-                    n, cluster.gpus_per_node, tp, pp, dp, mbs, cfg.train.global_batch_size // (mbs * dp),
+                    n, cluster.gpus_per_node, tp, pp, dp, mbs, _grad_accum(cfg, mbs, dp),
                     cfg.parallel.recompute, sp, rq,
                 )
                 mem = memory_per_device(cfg, layout)
@@ -374,6 +379,11 @@ def plan_run(
         f"mbs={layout.micro_batch_size}), cluster {cluster.name} has {cluster.usable_bytes / GB:.1f} usable"
     )
     return _plan(cfg, cluster, run_id, scale, arm, layout, mem, False, reason)
+
+
+def _grad_accum(cfg: RunConfig, micro_batch: int, dp: int) -> int:
+    """Micro-batches per step on each DP rank."""
+    return cfg.train.global_batch_size // (micro_batch * dp)
 
 
 def _micro_batches(cfg: RunConfig, dp: int, model_parallel: bool, fixed: bool) -> list[int]:
@@ -496,7 +506,7 @@ def _one_micro_batch_per_layout(plans: list[RunPlan], cfgs: list[RunConfig]) -> 
         mbs = smallest[key(p)]
         if mbs != p.layout.micro_batch_size:
             layout = replace(p.layout, micro_batch_size=mbs,
-                             grad_accum=cfg.train.global_batch_size // (mbs * p.layout.dp))
+                             grad_accum=_grad_accum(cfg, mbs, p.layout.dp))
             p = replace(p, layout=layout, memory=memory_per_device(cfg, layout))
         out.append(p)
     return out
