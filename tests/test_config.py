@@ -36,6 +36,7 @@ def test_override_values_are_yaml_scalars():
         (["train.warmup_steps=5000", "train.steps=10"], "warmup_steps"),
         (["checkpoint.async_save=true", "train.engine=deepspeed"], "checkpoint.async_save needs train.engine=megatron"),
         (["bad"], "expected key.path=value"),
+        (["logging.profile_steps=[5]"], "logging.profile_steps"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_field(overrides, message):

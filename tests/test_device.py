@@ -231,8 +231,9 @@ def test_a_distributed_block_leaves_the_launch_environment_as_it_found_it(monkey
 
 
 def test_deterministic_kernels_on_cuda_only_and_for_the_block_only(monkeypatch):
-    """runtime.deterministic: torch's deterministic algorithms, a fixed cuBLAS workspace (unless the
-    user set one) and megatron's deterministic_mode, on CUDA; the CPU path is left as it is."""
+    """runtime.deterministic: torch's deterministic algorithms without the NaN fill of new tensors, a
+    fixed cuBLAS workspace (unless the user set one) and megatron's deterministic_mode, on CUDA; the
+    CPU path is left as it is."""
     import os
 
     from nlq_scale.config.schema import RunConfig
@@ -247,8 +248,10 @@ def test_deterministic_kernels_on_cuda_only_and_for_the_block_only(monkeypatch):
             assert not torch.are_deterministic_algorithms_enabled()
     with deterministic_kernels(cuda, True):
         assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.utils.deterministic.fill_uninitialized_memory  # no NaN fill of every new tensor
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.utils.deterministic.fill_uninitialized_memory  # torch's default, back
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     with deterministic_kernels(cuda, True):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"

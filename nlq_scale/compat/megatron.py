@@ -51,10 +51,16 @@ _DISTRIB = "megatron.core.optimizer.distrib_optimizer"
 _BUFFER = "megatron.core.distributed.param_and_grad_buffer"
 _ASYNC = "megatron.core.dist_checkpointing.strategies.async_utils"
 _TORCH_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
+_CLIP_GRADS = "megatron.core.optimizer.clip_grads"
 
 RELIES_ON = (
     Private(_RANDOM, "_get_cuda_rng_state", params=("device",)),
     Private(_RANDOM, "_set_cuda_rng_state", params=("new_state",)),
+    # device_grad_norm_fallback: the norm function the grad clipping calls, and the fallback it replaces.
+    Private(_CLIP_GRADS, "l2_norm_impl"),
+    Private(f"{_CLIP_GRADS}:get_grad_norm_fp32", "l2_norm_impl,", in_source=True),
+    Private("megatron.core.utils", "local_multi_tensor_l2_norm",
+            params=("chunk_size", "noop_flag", "tensor_lists", "per_tensor")),
     *(Private(module, "torch") for module in sorted(set(FACTORY_CALL_SITES) | TYPE_STRING_CALL_SITES)),
     Private(f"{_MOE_UTILS}:RouterGatingLinearFunction", "forward"),  # reads the `te_general_gemm` global
     Private(f"{_MOE_UTILS}:MoEAuxLossAutoScaler", "main_loss_backward_scale"),
@@ -106,6 +112,28 @@ def replace_cuda_rng_state_functions(get_state: Callable[..., Any], set_state: C
             # RELIES_ON checks upstream's signature, also in a process where the shim is applied.
             replacement.__wrapped__ = inspect.unwrap(current)
             setattr(random, name, replacement)
+
+
+def device_grad_norm_fallback() -> None:
+    """Without Apex or Transformer Engine, megatron's gradient norm falls back to
+    utils.local_multi_tensor_l2_norm, which builds a host tensor from the list of per-parameter
+    device norms: one device-to-host copy and synchronization per parameter tensor per step on a GPU
+    (107 a step for the 124M linear arm, 167 for nonlinear, in the profile of docs/performance.md).
+    This replaces that fallback, and only it, with the same norm computed on the device."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _l2_norm_on_device
+
+
+def _l2_norm_on_device(chunk_size: int, noop_flag: Any, tensor_lists: list, per_tensor: bool, *args: Any) -> tuple:
+    """local_multi_tensor_l2_norm's result (the 2-norm of all tensors in tensor_lists, a float32
+    tensor of shape [1] on their device, and no per-tensor norms) without leaving the device."""
+    import torch
+
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    return torch.nn.utils.get_total_norm(tensors, norm_type=2.0).reshape(1).float(), None
 
 
 def bind_missing_te_general_gemm() -> None:

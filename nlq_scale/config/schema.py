@@ -298,6 +298,19 @@ class LoggingConfig(Strict):
     wandb_project: str = Field("nlq-scale", description="W&B project")
     wandb_entity: str | None = Field(None, description="W&B entity (team or user)")
     tags: list[str] = Field([], description="extra W&B tags (arm, scale, seed, lr are added)")
+    profile_steps: tuple[PositiveInt, PositiveInt] | None = Field(
+        None,
+        description="[first, last]: profile these training steps (1-based) with torch.profiler; every rank writes "
+        "a summary of where the time went (device busy fraction, kernels, syncs, top ops) to <run dir>/profile, "
+        "rank 0 also the trace",
+    )
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _ordered(cls, steps: tuple[int, int] | None) -> tuple[int, int] | None:
+        if steps is not None and steps[0] > steps[1]:
+            raise ValueError(f"[first, last] with first <= last, got {list(steps)}")
+        return steps
 
 
 class RuntimeConfig(Strict):

@@ -62,14 +62,20 @@ def deterministic_kernels(device: Device, enabled: bool) -> Iterator[None]:
         yield
         return
     previous = torch.are_deterministic_algorithms_enabled()
+    previous_fill = torch.utils.deterministic.fill_uninitialized_memory
     # cuBLAS repeats its sums only with a fixed workspace per stream; it reads this when a handle is
     # made, which is after this point (no matrix product has run yet).
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+    # Otherwise every new tensor is first filled with NaN: one more kernel per op output, a debugging
+    # aid that torch documents as unneeded for determinism in a program that reads no uninitialized
+    # memory (docs/performance.md counts them: a ninth of a training step's ops).
+    torch.utils.deterministic.fill_uninitialized_memory = False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(previous)
+        torch.utils.deterministic.fill_uninitialized_memory = previous_fill
 
 
 def cuda_report() -> str:

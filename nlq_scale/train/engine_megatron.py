@@ -123,6 +123,7 @@ class MegatronEngine:
             bf16=cfg.model.bf16,
             params_dtype=self.tconfig.params_dtype,
         )
+        megatron_compat.device_grad_norm_fallback()
         self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides=_mup_overrides(cfg, opt_config))
         # Without these, data-parallel gradients are never reduced.
         self.tconfig.finalize_model_grads_func = finalize_model_grads

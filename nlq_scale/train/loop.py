@@ -20,6 +20,7 @@ from nlq_scale.train.checkpoint import CheckpointDir, PendingSave
 from nlq_scale.train.divergence import DivergenceGuard
 from nlq_scale.train.feed import DataFeed
 from nlq_scale.train.metrics import MetricsWriter
+from nlq_scale.train.profiling import StepProfiler
 from nlq_scale.train.rundir import Status, manifest, write_manifest
 from nlq_scale.train.schedule import lr_at
 from nlq_scale.train.signals import StopFlag
@@ -73,6 +74,7 @@ class Trainer:
         report_missing(self.rank)
         self.engine = make_engine(cfg, world.device)
         self.feed = DataFeed(cfg, world, run_dir)
+        self.profiler = StepProfiler(cfg.logging.profile_steps, run_dir, self.rank, world.device.is_cuda)
         self.step, self.tokens = 0, 0
         self._pending: PendingSave | None = None
         resumed_from = self._resume()
@@ -209,10 +211,12 @@ class Trainer:
                 self.engine.set_lr(lr)
                 batch = self.feed.next()
                 digest = self.feed.digest(batch)
+                self.profiler.before(self.step + 1)
                 start = time.perf_counter()
                 stats = self.engine.train_step(batch)
                 seconds = time.perf_counter() - start
                 self.step += 1
+                self.profiler.after(self.step, seconds, last=self.step == t.steps)
                 self.tokens += self.tokens_per_step
                 self._poll_save(blocking=False)
                 record = self._train_record(lr, stats.loss, stats.grad_norm, seconds, digest)
