@@ -1,7 +1,8 @@
 """logging.profile_steps: torch.profiler over a window of training steps, and where their time went.
 
 Every rank writes `<run dir>/profile/rank<R>.json`, one summary of the window: the loop's seconds per
-step, top-level host ops per step, and on CUDA the device's busy time (the union of its kernels,
+step, the aten ops the host dispatched per step (outermost only: an op another op calls is not
+counted), and on CUDA the device's busy time (the union of its kernels,
 copies and fills), its busy fraction of the step, kernels launched and host synchronizations per
 step, and the ops with the most device time. A busy fraction well below 1 means the device waited on
 the host: launch overhead (many small kernels) or synchronizations. Rank 0 also writes the full
@@ -40,7 +41,7 @@ def summarize(prof: profile, step_seconds: list[float], first: int, cuda: bool) 
     summary = {
         "steps": [first, first + n - 1],
         "seconds_per_step": wall,
-        "host_ops_per_step": sum(e.cpu_parent is None and e.name.startswith("aten::") for e in events) / n,
+        "host_ops_per_step": sum(_outermost_op(e) for e in events) / n,
     }
     if not cuda:
         return summary | {"top_host_ops": _top(prof, "self_cpu_time_total", n)}
@@ -54,6 +55,19 @@ def summarize(prof: profile, step_seconds: list[float], first: int, cuda: bool) 
         "host_syncs_per_step": sum(e.device_type == DeviceType.CPU and e.name.startswith(_SYNCS) for e in events) / n,
         "top_device_ops": _top(prof, "self_device_time_total", n),
     }
+
+
+def _outermost_op(event) -> bool:
+    """An aten op that no other aten op called: what the host dispatched, in forward, in autograd's
+    backward (nested in its evaluate_function events) and in the optimizer."""
+    if not event.name.startswith("aten::"):
+        return False
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return False
+        parent = parent.cpu_parent
+    return True
 
 
 def _top(prof: profile, key: str, n: int) -> list[dict]:
