@@ -33,3 +33,11 @@ def test_reversed_profile_window_is_refused(sample_dataset, tmp_path):
     r = nlq(*train_args(tmp_path / "never", sample_dataset), "logging.profile_steps=[3,2]")
     assert r.returncode == 2 and "logging.profile_steps" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "never").exists()
+
+
+def test_window_past_the_last_step_ends_with_the_run(sample_dataset, tmp_path):
+    run_dir = tmp_path / "short"
+    r = nlq(*train_args(run_dir, sample_dataset), "train.steps=3", "train.warmup_steps=1",
+            "logging.profile_steps=[2,9]", "--nproc", "1")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads((run_dir / "profile" / "rank0.json").read_text())["steps"] == [2, 3]

@@ -74,7 +74,7 @@ class Trainer:
         report_missing(self.rank)
         self.engine = make_engine(cfg, world.device)
         self.feed = DataFeed(cfg, world, run_dir)
-        self.profiler = StepProfiler(cfg.logging.profile_steps, run_dir, self.rank, world.device.is_cuda)
+        self.profiler = StepProfiler(cfg.logging.profile_steps, cfg.train.steps, run_dir, self.rank, world.device.is_cuda)
         self.step, self.tokens = 0, 0
         self._pending: PendingSave | None = None
         resumed_from = self._resume()
@@ -148,6 +148,7 @@ class Trainer:
         self.metrics.write({"step": self.step, "tokens": self.tokens, "event": "checkpoint", "checkpoint": path.name})
 
     def _finish(self, state: str, event: str, error: str | None = None, signal: str | None = None) -> str:
+        self.profiler.stop()  # a run that ends inside the window keeps what it profiled
         self._poll_save(blocking=True)  # a diverged run's save in flight is of a step before the divergence
         record = {"step": self.step, "tokens": self.tokens, "event": event}
         if error:
@@ -216,7 +217,7 @@ class Trainer:
                 stats = self.engine.train_step(batch)
                 seconds = time.perf_counter() - start
                 self.step += 1
-                self.profiler.after(self.step, seconds, last=self.step == t.steps)
+                self.profiler.after(self.step, seconds)
                 self.tokens += self.tokens_per_step
                 self._poll_save(blocking=False)
                 record = self._train_record(lr, stats.loss, stats.grad_norm, seconds, digest)
@@ -231,6 +232,7 @@ class Trainer:
                     # No checkpoint: the last good one must not be replaced by a diverged state.
                     return self._finish("diverged", "diverged", problem)
                 if _any_rank(stop.signum is not None, self.world.device):
+                    self.profiler.stop()  # the window so far, without the save
                     self._save()
                     return self._finish("preempted", "preempt", signal=stop.signal_name)
                 every = self.cfg.checkpoint.every

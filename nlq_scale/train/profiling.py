@@ -77,11 +77,13 @@ def _top(prof: profile, key: str, n: int) -> list[dict]:
 
 
 class StepProfiler:
-    """Profiles the training steps of `window` (1-based, inclusive; None: none) that this run executes
-    (a run resumed inside the window profiles what is left of it)."""
+    """Profiles the training steps of `window` (1-based, inclusive; None: none) that this run executes:
+    a run resumed inside the window profiles what is left of it, one that stops inside it (preempted,
+    diverged) what it ran."""
 
-    def __init__(self, window: tuple[int, int] | None, run_dir: Path, rank: int, cuda: bool) -> None:
-        self.window, self.rank, self.cuda = window, rank, cuda
+    def __init__(self, window: tuple[int, int] | None, steps: int, run_dir: Path, rank: int, cuda: bool) -> None:
+        self.window = None if window is None else (window[0], min(window[1], steps))
+        self.rank, self.cuda = rank, cuda
         self.directory = run_dir / "profile"
         self._prof: profile | None = None
         self._first = 0
@@ -95,15 +97,22 @@ class StepProfiler:
         self._prof, self._first, self._seconds = profile(activities=activities), step, []
         self._prof.start()
 
-    def after(self, step: int, seconds: float, last: bool) -> None:
-        """Called after step `step` took `seconds` (the loop's own timing); `last`: the run's last step."""
+    def after(self, step: int, seconds: float) -> None:
+        """Called after step `step` took `seconds` (the loop's own timing)."""
         if self._prof is None:
             return
         self._seconds.append(seconds)
-        if step == self.window[1] or last:
-            self._prof.stop()
-            self._write(self._prof)
-            self._prof = None
+        if step == self.window[1]:
+            self.stop()
+
+    def stop(self) -> None:
+        """Ends the window early (the run stops) or on time, and writes what it profiled."""
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        prof.stop()
+        if self._seconds:
+            self._write(prof)
 
     def _write(self, prof: profile) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
