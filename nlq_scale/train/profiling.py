@@ -17,8 +17,8 @@ from pathlib import Path
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-# The CUDA runtime calls that make the host wait for the device.
-_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# The CUDA runtime calls that make the host wait for the device (cudaMemcpy, unlike cudaMemcpyAsync).
+_SYNCS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"})
 _TOP_OPS = 10
 
 
@@ -52,7 +52,7 @@ def summarize(prof: profile, step_seconds: list[float], first: int, cuda: bool) 
         "device_busy_fraction": busy / wall,
         "kernels_per_step": sum(not e.name.startswith(("Memcpy", "Memset")) for e in device) / n,
         "device_to_host_copies_per_step": sum("DtoH" in e.name for e in device) / n,
-        "host_syncs_per_step": sum(e.device_type == DeviceType.CPU and e.name.startswith(_SYNCS) for e in events) / n,
+        "host_syncs_per_step": sum(e.device_type == DeviceType.CPU and e.name in _SYNCS for e in events) / n,
         "top_device_ops": _top(prof, "self_device_time_total", n),
     }
 
