@@ -1,8 +1,9 @@
 """Sharded-checkpoint save/load speed of the megatron engine (dist_checkpointing, model + fully
 reshardable optimizer state) against a raw sequential write (fsynced, as the save's files are) and
 read of the same number of bytes, and the cost of a background save (checkpoint.async_save) to the
-training steps it overlaps, measured side by side in one run. Prints one JSON line. Goals: save and
-load >= 0.5 of raw; a step during a background save <= 1.1 x a step without one.
+training steps it overlaps, next to the cost of a raw write of as many bytes, measured side by side
+in one run. Prints one JSON line. Goals: save and load >= 0.5 of raw; a step during a background
+save <= 1.1 x a step without one.
 
     python benchmarks/checkpoint.py [--hidden 256 --layers 4 --repeats 5 --rounds 8]
 """
@@ -14,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from statistics import mean, median
@@ -23,10 +25,10 @@ def directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def raw_write_read(path: Path, nbytes: int, chunk: int = 64 << 20) -> tuple[float, float, float]:
-    """Seconds to write `nbytes` into the page cache, to that plus an fsync (a checkpoint save
+def raw_write(path: Path, nbytes: int, chunk: int = 64 << 20) -> tuple[float, float]:
+    """Seconds to write `nbytes` into the page cache, and to that plus an fsync (a checkpoint save
     fsyncs every file it writes: megatron's writer does, so a preempted node's checkpoint is on
-    disk), and to read them back."""
+    disk)."""
     block = os.urandom(min(chunk, nbytes))
     start = time.perf_counter()
     with open(path, "wb") as f:
@@ -38,7 +40,12 @@ def raw_write_read(path: Path, nbytes: int, chunk: int = 64 << 20) -> tuple[floa
         f.flush()
         cached_s = time.perf_counter() - start
         os.fsync(f.fileno())
-    synced_s = time.perf_counter() - start
+    return cached_s, time.perf_counter() - start
+
+
+def raw_write_read(path: Path, nbytes: int, chunk: int = 64 << 20) -> tuple[float, float, float]:
+    """`raw_write`'s two times, and the seconds to read the bytes back."""
+    cached_s, synced_s = raw_write(path, nbytes, chunk)
     start = time.perf_counter()
     with open(path, "rb") as f:
         while f.read(chunk):
@@ -89,10 +96,31 @@ def background_save_round(engine, tokens, target: Path, normal_steps: int) -> tu
     return plain, overlapped, blocked
 
 
-def background_save_figures(engine, tokens, work: Path, rounds: int, save_s: float) -> dict:
+def overlapped_raw_write_round(engine, tokens, path: Path, nbytes: int) -> tuple[float, list[float]]:
+    """One plain step, then the steps that overlap a raw fsynced write of `nbytes` by a thread at the
+    lowest CPU priority: what any writer of that many bytes costs the steps on this machine, the
+    floor under a background save's."""
+    plain = timed_step(engine, tokens)
+
+    def write() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        raw_write(path, nbytes)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    overlapped = [timed_step(engine, tokens)]
+    while writer.is_alive():
+        overlapped.append(timed_step(engine, tokens))
+    writer.join()
+    path.unlink()
+    return plain, overlapped
+
+
+def background_save_figures(engine, tokens, work: Path, rounds: int, save_s: float, nbytes: int) -> dict:
     """Rounds of plain steps and a background save, each round with as many plain steps as the
     previous one overlapped. The cost of a background save to training — its start plus what the
-    steps it overlapped took beyond plain ones — is also set against a synchronous save (`save_s`)."""
+    steps it overlapped took beyond plain ones — is also set against a synchronous save (`save_s`),
+    and the overlapped steps against steps overlapping a raw write of the checkpoint's bytes."""
     timed_step(engine, tokens)  # warm-up: the first step creates the optimizer state
     plain, overlapped, blocked, normal_steps = [], [], [], 2
     for i in range(rounds):
@@ -101,12 +129,17 @@ def background_save_figures(engine, tokens, work: Path, rounds: int, save_s: flo
         p_s, o_s, b_s = background_save_round(engine, tokens, target, normal_steps)
         shutil.rmtree(target)
         plain, overlapped, blocked, normal_steps = plain + p_s, overlapped + o_s, blocked + [b_s], len(o_s)
+    raw_plain, raw_overlapped = [], []
+    for _ in range(rounds):
+        p_s, o_s = overlapped_raw_write_round(engine, tokens, work / "raw-overlapped", nbytes)
+        raw_plain, raw_overlapped = raw_plain + [p_s], raw_overlapped + o_s
     step = mean(plain)
     cost = mean(blocked) + (sum(overlapped) - len(overlapped) * step) / rounds
     return {
         "step_s": round(step, 3),
         "async_overlapped_steps_per_save": round(len(overlapped) / rounds, 2),
         "async_step_over_step": round(mean(overlapped) / step, 3),
+        "raw_write_step_over_step": round(mean(raw_overlapped) / mean(raw_plain), 3),
         "async_start_over_save": round(mean(blocked) / save_s, 3),
         "async_cost_over_save": round(cost / save_s, 3),
     }
@@ -139,7 +172,8 @@ def main() -> None:
             pairs = [save_load_and_raw(engine, work / f"ckpt{i}") for i in range(a.repeats + 1)][1:]  # 1st: warm-up
             shape = (cfg.train.global_batch_size, cfg.model.seq_length + 1)
             tokens = torch.randint(cfg.model.vocab_size, shape, device=device.torch_device)
-            background = background_save_figures(engine, tokens, work, a.rounds, median(p["save"] for p in pairs))
+            save_s = median(p["save"] for p in pairs)
+            background = background_save_figures(engine, tokens, work, a.rounds, save_s, pairs[0]["bytes"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     mb = pairs[0]["bytes"] / 1e6

@@ -1,7 +1,8 @@
-"""The megatron engine saves the optimizer state from its own tensors and loads it into them, and
-reads stored tensors straight into their targets (compat.megatron): it must write the very
-checkpoint megatron's own save writes, restore the very bits megatron's own load restores (at the
-layout the checkpoint was saved at and at others), and read less through torch."""
+"""The megatron engine saves the optimizer state from its own tensors and loads it into them,
+writes in its own process and reads stored tensors straight into their targets (compat.megatron):
+it must write the very checkpoint megatron's own save writes, in the background too, without
+forking; restore the very bits megatron's own load restores (at the layout the checkpoint was
+saved at and at others); and read less through torch."""
 
 import io
 import json
@@ -45,7 +46,10 @@ def test_in_place_save_and_load_match_megatrons(tmp_path, layouts):
     (save_n, save_at), loads = layouts
     saved = run(tmp_path, "save", save_n, *save_at)
     assert any(".optimizer.state.exp_avg." in f".{k}" for k in saved["keys"]), saved["keys"]
-    assert saved["not_in_both"] == [] and saved["differ"] == [], saved
+    for way in ("ours", "background"):
+        assert saved[way] == {"not_in_both": [], "differ": []}, (way, saved)
+    # Written in this process (no writer processes forked), where megatron's own writer forks.
+    assert saved["forks"]["ours"] == saved["forks"]["background"] == 0 < saved["forks"]["megatron"], saved["forks"]
     for load_n, load_at in loads:
         loaded = run(tmp_path, "compare", load_n, *load_at)
         assert_same_bits(loaded)

@@ -1,14 +1,16 @@
 """megatron-core internals: the CPU shim's patch points, the mends for the torch-Adam fallback
-of the distributed optimizer, the writer processes of background saves, and checkpoints that save
-the optimizer state from, and load it into, the optimizer's own tensors (runtime/cpu_shim.py,
-train/engine_megatron.py, train/engine_deepspeed.py go through here)."""
+of the distributed optimizer, checkpoint writes in this process (no forked writers), and
+checkpoints that save the optimizer state from, and load it into, the optimizer's own tensors
+(runtime/cpu_shim.py, train/engine_megatron.py, train/engine_deepspeed.py go through here)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import inspect
 import io
+import queue
 import sys
 import zipfile
 from collections.abc import Callable, Iterator
@@ -49,9 +51,9 @@ _RANDOM = "megatron.core.tensor_parallel.random"
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 _DISTRIB = "megatron.core.optimizer.distrib_optimizer"
 _BUFFER = "megatron.core.distributed.param_and_grad_buffer"
-_ASYNC = "megatron.core.dist_checkpointing.strategies.async_utils"
 _TORCH_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
 _CLIP_GRADS = "megatron.core.optimizer.clip_grads"
+_FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
 RELIES_ON = (
     Private(_RANDOM, "_get_cuda_rng_state", params=("device",)),
@@ -95,10 +97,17 @@ RELIES_ON = (
     Private(_TORCH_STRATEGY, "MultiStorageClientFeature"),
     Private("megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
             "CachedMetadataFileSystemReader"),
-    # wait_for_async_writers: the queue's active calls and each one's writer process.
-    Private(f"{_ASYNC}:AsyncCallsQueue.__init__", "self.async_calls", in_source=True),
-    Private(f"{_ASYNC}:_ActiveAsyncRequest", "async_caller"),
-    Private(f"{_ASYNC}:AsyncCaller", "close", params=("abort",)),
+    # in_process_writes: the writer's per-bucket write, the forking function that calls it, and the
+    # results queue it is handed.
+    Private(f"{_FS_ASYNC}:FileSystemWriterAsync", "write_preloaded_data",
+            params=("transform_list", "local_proc_idx", "write_bucket", "results_queue", "count_queue", "use_fsync")),
+    Private(f"{_FS_ASYNC}:FileSystemWriterAsync", "write_preloaded_data_multiproc",
+            params=("transform_list", "use_msc", "rank", "write_buckets", "global_results_queue")),
+    Private(f"{_FS_ASYNC}:FileSystemWriterAsync.get_save_function_and_args",
+            "partial(self.write_preloaded_data_multiproc,", in_source=True),
+    Private(_FS_ASYNC, "_get_write_results_queue"),
+    Private(f"{_FS_ASYNC}:FileSystemWriterAsync.get_save_function_and_args",
+            "[torch.distributed.get_rank(), self.write_buckets, self.results_queue]", in_source=True),
 )
 
 
@@ -186,12 +195,72 @@ def distributed_optimizers(optimizer: Any) -> list:
     return [o for o in chain if isinstance(o, distrib_optimizer.DistributedOptimizer)]
 
 
-def wait_for_async_writers(queue: Any) -> None:
-    """Join the writer processes of an AsyncCallsQueue's background saves on this rank alone, and
-    forget the saves: their finalization is collective, which a rank on its way out cannot count on."""
-    for call in queue.async_calls:
-        call.async_caller.close()
-    queue.async_calls.clear()
+@contextlib.contextmanager
+def in_process_writes() -> Iterator[None]:
+    """dist_checkpointing.save whose writer runs in this process, one thread per write bucket,
+    instead of forking a process per bucket that reports through a multiprocessing Manager (spawned
+    on the first save). On a CPU the forks and the Manager's round trips cost as much as the write
+    itself (docs/performance.md, "Checkpoints"). Files, fsyncs and results stay megatron's: its own
+    per-bucket function writes each bucket. A background save made in this context is written by
+    `staged_write`'s call."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    writer = filesystem_async.FileSystemWriterAsync
+    original_write = writer.__dict__["write_preloaded_data_multiproc"]
+    original_queue = filesystem_async._get_write_results_queue
+    writer.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_threads)
+    filesystem_async._get_write_results_queue = queue.SimpleQueue
+    try:
+        yield
+    finally:
+        writer.write_preloaded_data_multiproc = original_write
+        filesystem_async._get_write_results_queue = original_queue
+
+
+def _write_buckets_in_threads(
+    transform_list: list, use_msc: bool, rank: int, write_buckets: list, global_results_queue: Any
+) -> None:
+    """write_preloaded_data_multiproc's contract (every bucket's results by index, or the first
+    exception, put on global_results_queue, where the save's finalization raises it on every rank)
+    with threads for processes."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    results: queue.Queue = queue.Queue()
+    done: queue.Queue = queue.Queue()
+    extra = {"use_msc": True} if use_msc else {}
+
+    def write(index: int, bucket: Any) -> None:
+        done.put(index)  # the function takes one item off this queue when it ends
+        FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, results, done, True, **extra)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(write_buckets)) as pool:
+            list(pool.map(write, range(len(write_buckets)), write_buckets))
+        written = dict(results.get_nowait() for _ in write_buckets)
+        failed = [w for _, w in sorted(written.items()) if isinstance(w, Exception)]
+        global_results_queue.put(failed[0] if failed else dict(sorted(written.items())))
+    except Exception as error:  # noqa: BLE001 - reported where megatron reports a writer's failure
+        global_results_queue.put(error)
+
+
+def staged_write(request: Any) -> Callable[[], None] | None:
+    """The write of a background save (dist_checkpointing.save(..., async_sharded_save=True) made
+    within `in_process_writes`) as a call a thread makes while training goes on. Every tensor it
+    writes is copied to host memory now: on a GPU the device-to-host staging megatron's preload does
+    (asynchronous copies into pinned memory, then one synchronization), on the host a snapshot of
+    tensors the next steps change in place. None when this rank has nothing to write."""
+    import torch
+
+    if request.async_fn is None:
+        return None
+    rank, buckets, results = request.async_fn_args
+    staged = [
+        (path, key, (data, [(item, tensor.to("cpu", non_blocking=True, copy=True)) for item, tensor in tensors]))
+        for path, key, (data, tensors) in buckets
+    ]
+    if any(tensor.is_cuda for _, _, (_, tensors) in buckets for _, tensor in tensors):
+        torch.cuda.synchronize()
+    return functools.partial(request.async_fn, rank, staged, results)
 
 
 _STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # megatron's fully reshardable keys, per parameter

@@ -188,8 +188,8 @@ class CheckpointDir:
         for e in _chain(error):
             if isinstance(e, OSError) and e.errno in _NO_ROOM:
                 return f"{os.strerror(e.errno).lower()} ({_free(self.root)})"
-        # Writers that run in helper processes (dist_checkpointing) lose the errno: look at the disk,
-        # which must hold about what the previous checkpoint holds.
+        # dist_checkpointing reports its writers' failures wrapped, where the errno may be lost: look
+        # at the disk, which must hold about what the previous checkpoint holds.
         if shutil.disk_usage(self.root).free + _size(tmp) < max(_LOW_SPACE, self._previous_size()):
             return f"no space left on device ({_free(self.root)})"
         return None

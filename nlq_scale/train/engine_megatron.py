@@ -4,9 +4,9 @@ get_forward_backward_func, and dist_checkpointing with a fully reshardable optim
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -69,17 +69,42 @@ def _gc_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _niced(write: Callable, *args, **kwargs) -> None:
-    os.nice(19)
-    write(*args, **kwargs)
+class _BackgroundSave:
+    """A save's write on a thread of this process while training goes on, at the lowest CPU
+    priority (where cores are few it must not slow the steps it overlaps, only finish later). A
+    thread, not a forked process: after a fork every page a training step writes is copied while
+    the writer lives, which on a CPU cost the overlapped steps as much as the write itself, or more
+    (docs/performance.md)."""
+
+    def __init__(self, request: AsyncRequest, device: Device) -> None:
+        self._finalize, self._device = request.finalize_fns, device
+        write = megatron_compat.staged_write(request)  # tensors copied now: the thread writes a snapshot
+        self._thread = threading.Thread(target=_at_lowest_priority, args=(write,), name="checkpoint-writer")
+        if write is not None:
+            self._thread.start()
+
+    def written(self, blocking: bool) -> bool:
+        """Collective: every rank's write ended, and the save then finalized (its metadata written;
+        a failed write raises on every rank); with `blocking`, waits for that."""
+        if blocking and self._thread.is_alive():
+            self._thread.join()
+        writing = self._device.put(torch.tensor([int(self._thread.is_alive())]))
+        dist.all_reduce(writing)
+        if writing.item():
+            return False
+        for finalize in self._finalize:
+            finalize()
+        return True
+
+    def abandon(self) -> None:
+        """Not collective: wait for this rank's write alone, and leave the save unfinalized."""
+        if self._thread.is_alive():
+            self._thread.join()
 
 
-def _at_low_priority(request: AsyncRequest) -> AsyncRequest:
-    """The background writer (a forked process, and the writers it forks) at the lowest CPU priority:
-    where cores are few it must not slow the training steps it overlaps, only finish later."""
-    if request.async_fn is None:  # nothing to write on this rank
-        return request
-    return request._replace(async_fn=functools.partial(_niced, request.async_fn))
+def _at_lowest_priority(write: Callable[[], None]) -> None:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread, and the ones it starts
+    write()
 
 
 class MegatronEngine:
@@ -131,8 +156,7 @@ class MegatronEngine:
         self.tconfig.no_sync_func = self.model.no_sync
         self._skip_step_when_loading_param_state()
         self._schedule = get_forward_backward_func()
-        # One forked writer per background save (megatron's persistent worker needs CUDA).
-        self._saves = AsyncCallsQueue(persistent=False)
+        self._background: _BackgroundSave | None = None
         self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))
 
     def set_lr(self, lr: float) -> None:
@@ -190,26 +214,32 @@ class MegatronEngine:
         return {"model": model_state, "optimizer": optimizer_state}
 
     def save(self, ckpt_dir: Path, background: bool = False) -> None:
-        """Collective. In the background, this call writes only the small common state and snapshots
-        the tensors (a forked writer process sees them as they were at the fork, on the CPU as on a
-        GPU after megatron's device-to-host copy); `save_written` tells when every rank's write ended."""
+        """Collective. In the background, this call writes only the small common state and copies
+        the tensors (`_BackgroundSave`); `save_written` tells when every rank's write ended."""
         self._materialize_adam_state()  # a save before the first step would trip the same assert
         with megatron_compat.in_place_optimizer_state(self.optimizer):  # no full-model copies of the state
             state = self._sharded_state(is_loading=False)
-        request = dist_checkpointing.save(state, str(ckpt_dir), async_sharded_save=background)
-        if background:
-            self._saves.schedule_async_request(_at_low_priority(request))
+        with megatron_compat.in_process_writes():
+            request = dist_checkpointing.save(state, str(ckpt_dir), async_sharded_save=background)
+            if background:
+                self._background = _BackgroundSave(request, self.device)
 
     def save_written(self, blocking: bool) -> bool:
         """Collective: whether the background save has been written by every rank and finalized
         (dist_checkpointing's metadata written); a failed write raises here, on every rank."""
-        self._saves.maybe_finalize_async_calls(blocking=blocking)
-        return self._saves.get_num_unfinalized_calls() == 0
+        if self._background is None:
+            return True
+        if not self._background.written(blocking):
+            return False
+        self._background = None
+        return True
 
     def abandon_save(self) -> None:
-        """Not collective (other ranks may be gone): wait for this rank's writer process, so none
-        outlives the run writing into a directory a relaunch may reuse, and leave it unfinalized."""
-        megatron_compat.wait_for_async_writers(self._saves)
+        """Not collective (other ranks may be gone): wait for this rank's write, so none outlives
+        the run writing into a directory a relaunch may reuse, and leave it unfinalized."""
+        if self._background is not None:
+            self._background.abandon()
+            self._background = None
 
     def _torch_adams(self) -> list[torch.optim.Optimizer]:
         """megatron-core 0.16.x's distributed optimizers on torch's Adam mishandle its `step`; the

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# The guard matters: dist_checkpointing's save starts a multiprocessing Manager that re-imports __main__.
+# As a script only: a process started with the "spawn" method re-imports __main__.
 if __name__ == "__main__":
     from nlq_scale.runtime.exit import exit_process
 

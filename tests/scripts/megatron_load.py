@@ -2,9 +2,11 @@
 into the optimizer's own tensors, stored tensors read straight into their targets: compat.megatron)
 against megatron's own. Usage:
   megatron_load.py save OUT --dir CKPT [overrides...]     train a few steps, save into CKPT/megatron
-                                                          megatron's way and into CKPT/ours
+                                                          megatron's way, into CKPT/ours and, in
+                                                          the background, into CKPT/background
   megatron_load.py compare OUT --dir CKPT [overrides...]  load CKPT/ours both ways into a trained engine
-Rank 0 writes to OUT, as JSON, the names of the tensors whose bits differ between the two saves or
+Rank 0 writes to OUT, as JSON, the names of the tensors whose bits differ between the saves (and
+the processes each forked) or
 the two loads, how many stored items each load read through torch's own reader, and how many
 parameters each rank holds only part of."""
 
@@ -60,14 +62,17 @@ def torch_reads(counts: list[int]):
 
 @contextlib.contextmanager
 def megatrons_own_way():
-    """The engine's save and load with compat's in-place paths switched off: megatron's and torch's own."""
-    saved = megatron_compat.in_place_optimizer_state, megatron_compat.direct_tensor_reads
+    """The engine's save and load with compat's in-place paths and in-process writer switched off:
+    megatron's and torch's own (the writer forked per bucket)."""
+    saved = megatron_compat.in_place_optimizer_state, megatron_compat.direct_tensor_reads, megatron_compat.in_process_writes
     megatron_compat.in_place_optimizer_state = lambda optimizer: contextlib.nullcontext()
     megatron_compat.direct_tensor_reads = contextlib.nullcontext
+    megatron_compat.in_process_writes = contextlib.nullcontext
     try:
         yield
     finally:
-        megatron_compat.in_place_optimizer_state, megatron_compat.direct_tensor_reads = saved
+        (megatron_compat.in_place_optimizer_state, megatron_compat.direct_tensor_reads,
+         megatron_compat.in_process_writes) = saved
 
 
 def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -78,19 +83,52 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+@contextlib.contextmanager
+def counted_forks(forks: list[int]):
+    """Count the processes this one forks (megatron's writer forks one per write bucket)."""
+    original = os.fork
+
+    def fork():
+        forks.append(1)
+        return original()
+
+    os.fork = fork
+    try:
+        yield
+    finally:
+        os.fork = original
+
+
+SAVES = {  # the way of saving, and whether in the background
+    "megatron": (megatrons_own_way, False),
+    "ours": (contextlib.nullcontext, False),
+    "background": (contextlib.nullcontext, True),
+}
+
+
 def save(cfg, ckpt: Path) -> dict:
     engine = megatron_engine(cfg)
     train(engine, cfg, batches(cfg, 3, seed=1), 0)
-    for way, switch in (("megatron", megatrons_own_way), ("ours", contextlib.nullcontext)):
+    forks = {}
+    for way, (switch, background) in SAVES.items():
         (ckpt / way).mkdir(exist_ok=True)  # every rank
-        with switch():
-            engine.save(ckpt / way)
+        forks[way] = []
+        with switch(), counted_forks(forks[way]):
+            engine.save(ckpt / way, background=background)
+            while not engine.save_written(blocking=False):
+                pass
     torch.distributed.barrier()
     if torch.distributed.get_rank() != 0:
         return {}
-    a, b = checkpoint_tensors(ckpt / "megatron"), checkpoint_tensors(ckpt / "ours")
-    differ = sorted(k for k in a.keys() & b.keys() if not torch.equal(bits(a[k]), bits(b[k])))
-    return {"keys": sorted(a), "not_in_both": sorted(a.keys() ^ b.keys()), "differ": differ}
+    a = checkpoint_tensors(ckpt / "megatron")
+    result = {"keys": sorted(a), "forks": {way: len(f) for way, f in forks.items()}}
+    for way in ("ours", "background"):
+        b = checkpoint_tensors(ckpt / way)
+        result[way] = {
+            "not_in_both": sorted(a.keys() ^ b.keys()),
+            "differ": sorted(k for k in a.keys() & b.keys() if not torch.equal(bits(a[k]), bits(b[k]))),
+        }
+    return result
 
 
 def compare(cfg, ckpt: Path) -> dict:
