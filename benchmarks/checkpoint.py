@@ -98,15 +98,12 @@ def background_save_round(engine, tokens, target: Path, normal_steps: int) -> tu
 
 def overlapped_raw_write_round(engine, tokens, path: Path, nbytes: int) -> tuple[float, list[float]]:
     """One plain step, then the steps that overlap a raw fsynced write of `nbytes` by a thread at the
-    lowest CPU priority: what any writer of that many bytes costs the steps on this machine, the
-    floor under a background save's."""
+    lowest CPU priority, as the engine's background writer runs: what any writer of that many bytes
+    costs the steps on this machine, the floor under a background save's."""
+    from nlq_scale.train.engine_megatron import at_lowest_priority
+
     plain = timed_step(engine, tokens)
-
-    def write() -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        raw_write(path, nbytes)
-
-    writer = threading.Thread(target=write)
+    writer = threading.Thread(target=at_lowest_priority, args=(lambda: raw_write(path, nbytes),))
     writer.start()
     overlapped = [timed_step(engine, tokens)]
     while writer.is_alive():

@@ -236,9 +236,9 @@ def _write_buckets_in_threads(
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(write_buckets)) as pool:
             list(pool.map(write, range(len(write_buckets)), write_buckets))
-        written = dict(results.get_nowait() for _ in write_buckets)
-        failed = [w for _, w in sorted(written.items()) if isinstance(w, Exception)]
-        global_results_queue.put(failed[0] if failed else dict(sorted(written.items())))
+        written = dict(sorted(results.get_nowait() for _ in write_buckets))  # by bucket index
+        failed = [w for w in written.values() if isinstance(w, Exception)]
+        global_results_queue.put(failed[0] if failed else written)
     except Exception as error:  # noqa: BLE001 - reported where megatron reports a writer's failure
         global_results_queue.put(error)
 

@@ -79,7 +79,7 @@ class _BackgroundSave:
     def __init__(self, request: AsyncRequest, device: Device) -> None:
         self._finalize, self._device = request.finalize_fns, device
         write = megatron_compat.staged_write(request)  # tensors copied now: the thread writes a snapshot
-        self._thread = threading.Thread(target=_at_lowest_priority, args=(write,), name="checkpoint-writer")
+        self._thread = threading.Thread(target=at_lowest_priority, args=(write,), name="checkpoint-writer")
         if write is not None:
             self._thread.start()
 
@@ -102,7 +102,9 @@ class _BackgroundSave:
             self._thread.join()
 
 
-def _at_lowest_priority(write: Callable[[], None]) -> None:
+def at_lowest_priority(write: Callable[[], None]) -> None:
+    """Call `write` at the lowest CPU priority, in a thread of its own (benchmarks/checkpoint.py
+    times a raw write the same way)."""
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread, and the ones it starts
     write()
 

@@ -115,8 +115,7 @@ def save(cfg, ckpt: Path) -> dict:
         forks[way] = []
         with switch(), counted_forks(forks[way]):
             engine.save(ckpt / way, background=background)
-            while not engine.save_written(blocking=False):
-                pass
+            assert engine.save_written(blocking=True)
     torch.distributed.barrier()
     if torch.distributed.get_rank() != 0:
         return {}
