@@ -56,22 +56,81 @@ def test_in_place_save_and_load_match_megatrons(tmp_path, layouts):
         assert any(rank["split"] for rank in loaded["ranks"]) == (load_n == 2)  # DP=2 splits some parameter
 
 
+def saved(obj) -> bytes:
+    item = io.BytesIO()
+    torch.save(obj, item)
+    return item.getvalue()
+
+
+def rewritten(item: bytes, **changes) -> bytes:
+    """The zip archive `item` rewritten record by record: `byteorder=` replaces that record's
+    contents, `compression=` stores every record compressed."""
+    copy = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(item)) as original, zipfile.ZipFile(copy, "w") as out:
+        for info in original.infolist():
+            data = changes["byteorder"] if "byteorder" in changes and info.filename.endswith("/byteorder") else original.read(info)
+            out.writestr(info, data, compress_type=changes.get("compression", info.compress_type))
+    return copy.getvalue()
+
+
+base = torch.arange(24.0).reshape(4, 6)
+STORED = {  # tensor, and whether its storage holds exactly it in row-major order
+    "float32": (base, True),
+    "bfloat16": (base.to(torch.bfloat16), True),
+    "int64": (torch.arange(7), True),
+    "bool": (torch.tensor([True, False, True]), True),
+    "scalar": (torch.tensor(3.5), True),
+    "size-1 dim": (torch.ones(3, 1, 2), True),
+    "transposed": (base.t(), False),
+    "a view behind an offset": (base[1:], False),
+    "a slice of a larger storage": (base[:2], False),
+}
+
+
+@pytest.mark.parametrize("tensor, whole", STORED.values(), ids=STORED.keys())
+def test_a_stored_tensors_header_says_what_torch_load_says(tensor, whole):
+    """compat.torch.stored_tensor parses what torch.load parses (onto the meta device), without
+    torch: the direct read trusts its dtype, shape, strides and where the bytes start."""
+    from nlq_scale.compat.megatron import _Window
+    from nlq_scale.compat.torch import stored_tensor
+
+    item = saved(tensor)
+    file = io.BytesIO(b"x" * 100 + item)  # the item behind other items in its file, as in a .distcp
+    stored = stored_tensor(_Window(file, 100, len(item)))
+    meta = torch.load(io.BytesIO(item), map_location="meta", weights_only=True)
+    assert (stored.dtype, stored.shape, stored.stride) == (meta.dtype, tuple(meta.shape), meta.stride())
+    assert stored.storage_offset == meta.storage_offset()
+    assert stored.storage_nbytes == meta.untyped_storage().nbytes() == tensor.untyped_storage().nbytes()
+    assert stored.data_offset == meta.untyped_storage()._checkpoint_offset
+    assert stored.little_endian == (sys.byteorder == "little") and stored.is_whole_contiguous() == whole
+    at = 100 + stored.data_offset
+    assert file.getvalue()[at : at + stored.storage_nbytes] == bytes(tensor.untyped_storage())
+
+
+NOT_ONE_TENSOR = {
+    "a parameter": saved(torch.nn.Parameter(base)),
+    "a dict of tensors": saved({"w": base}),
+    "compressed records": rewritten(saved(base), compression=zipfile.ZIP_DEFLATED),
+    "an unknown byte order": rewritten(saved(base), byteorder=b"middle"),
+    "not a zip archive": b"PK" + bytes(200),
+}
+
+
+@pytest.mark.parametrize("item", NOT_ONE_TENSOR.values(), ids=NOT_ONE_TENSOR.keys())
+def test_a_stored_tensors_header_is_none_for_anything_else(item):
+    """What stored_tensor does not read whole is left to torch's reader."""
+    from nlq_scale.compat.torch import stored_tensor
+
+    assert stored_tensor(io.BytesIO(item)) is None
+
+
 def test_an_item_saved_big_endian_is_not_read_directly():
     """torch.save records the host's byte order; only a little-endian item's bytes may be read raw
     (torch.load swaps the others)."""
-    from nlq_scale.compat.megatron import _saved_little_endian, _Window
+    from nlq_scale.compat.torch import stored_tensor
 
-    item = io.BytesIO()
-    torch.save(torch.arange(4.0), item)
-    item = item.getvalue()
-    file = io.BytesIO(b"x" * 100 + item)  # the item behind other items in its file, as in a .distcp
-    assert _saved_little_endian(_Window(file, 100, len(item))) == (sys.byteorder == "little")
-
-    swapped = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(item)) as original, zipfile.ZipFile(swapped, "w") as copy:
-        for info in original.infolist():
-            copy.writestr(info, b"big" if info.filename.endswith("/byteorder") else original.read(info))
-    assert not _saved_little_endian(_Window(swapped, 0, len(swapped.getvalue())))
+    stored = stored_tensor(io.BytesIO(rewritten(saved(base), byteorder=b"big")))
+    assert stored is not None and not stored.little_endian
 
 
 def test_a_window_reads_and_seeks_only_its_own_bytes():
@@ -83,3 +142,25 @@ def test_a_window_reads_and_seeks_only_its_own_bytes():
     assert window.seek(2) == 2 and window.read(100) == bytes(range(7, 15)) and window.read() == b""
     with pytest.raises(ValueError, match="negative seek"):
         window.seek(-11, io.SEEK_END)
+
+
+def test_a_load_zeroes_no_padding_where_the_stored_shape_is_the_same():
+    """megatron zeroes a tensor that may be stored in another shape (the padded vocabulary's)
+    before reading into it; the engine clears that only where the checkpoint holds the same shape."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from nlq_scale.train.engine_megatron import _no_padding_where_shapes_match
+
+    def sharded(key: str, rows: int, mismatch: bool) -> ShardedTensor:
+        return ShardedTensor.from_rank_offsets(key, torch.ones(rows, 4), allow_shape_mismatch=mismatch)
+
+    ours = {
+        "model": {"same": sharded("same", 8, True), "fixed": sharded("fixed", 8, False)},
+        "optimizer": [sharded("more rows stored", 8, True), sharded("not stored", 8, True)],
+    }
+    stored = {"same": sharded("same", 8, False), "fixed": sharded("fixed", 8, False),
+              "more rows stored": sharded("more rows stored", 16, False)}  # fmt: skip
+    _no_padding_where_shapes_match(ours, stored)
+    flags = {t.key: t.allow_shape_mismatch for t in [*ours["model"].values(), *ours["optimizer"]]}
+    assert flags == {"same": False, "fixed": False, "more rows stored": True, "not stored": True}
+    assert all(t.data.eq(1).all() for t in [*ours["model"].values(), *ours["optimizer"]])  # nothing read or zeroed

@@ -12,7 +12,6 @@ import inspect
 import io
 import queue
 import sys
-import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -454,8 +453,8 @@ def in_place_optimizer_state(optimizer: Any) -> Iterator[None]:
 
 class _Window(io.RawIOBase):
     """Bytes [start, start + length) of a seekable binary stream, as a stream of their own: one
-    stored item of a checkpoint file, for torch.load and zipfile (torch's own file view takes a
-    seek from the end the wrong way round, and zipfile makes one)."""
+    stored item of a checkpoint file, for zipfile (torch's own file view takes a seek from the end
+    the wrong way round, and zipfile makes one)."""
 
     def __init__(self, stream: Any, start: int, length: int) -> None:
         super().__init__()
@@ -487,23 +486,15 @@ class _Window(io.RawIOBase):
         return got
 
 
-def _saved_little_endian(item: _Window) -> bool:
-    """Whether a torch.save'd item records that it was written little-endian (torch.save writes
-    the host's byte order into the archive; torch.load swaps the bytes when it differs)."""
-    with zipfile.ZipFile(item) as archive:
-        marks = [name for name in archive.namelist() if name.rsplit("/", 1)[-1] == "byteorder"]
-        return len(marks) == 1 and archive.read(marks[0]) == b"little"
-
-
 def _direct_reader_class() -> type:
     """dist_checkpointing's cached-metadata reader, reading a whole stored tensor straight into the
     tensor it is loaded into. torch.distributed.checkpoint's FileSystemReader torch.loads each stored
-    tensor into new memory and then copies it into place; here the item's header alone is
-    unpickled (weights-only, onto the meta device: dtype, shape, strides and where the storage
-    record starts), and when the item is one contiguous little-endian tensor of the target's dtype
-    and shape that the target takes whole, its bytes are read into the target. Anything else —
-    transformed (compressed) items, partial reads (resharding), strided or other-dtype targets,
-    tensor subclasses, big-endian files or hosts — goes through torch's own read_data."""
+    tensor into new memory and then copies it into place; here only the item's header is read
+    (`compat.torch.stored_tensor`: dtype, shape, strides, byte order and where the storage's bytes
+    start), and when the item is one contiguous little-endian tensor of the target's dtype and shape
+    that the target takes whole, its bytes are read into the target. Anything else — transformed
+    (compressed) items, partial reads (resharding), strided or other-dtype targets, tensor
+    subclasses, big-endian files or hosts — goes through torch's own read_data."""
     import dataclasses
 
     import torch
@@ -512,23 +503,7 @@ def _direct_reader_class() -> type:
     )
     from torch.distributed.checkpoint.planner import LoadItemType
 
-    def stored_tensor_offset(item: _Window, target: torch.Tensor) -> int | None:
-        """Where in `item` the bytes of a tensor laid out exactly as `target` start; None if the
-        stored tensor is laid out otherwise."""
-        stored = torch.load(item, map_location="meta", weights_only=True)
-        if type(stored) is not torch.Tensor:
-            return None
-        storage = stored.untyped_storage()
-        offset = getattr(storage, "_checkpoint_offset", None)
-        same = (
-            stored.dtype == target.dtype
-            and stored.shape == target.shape
-            and stored.numel() > 0
-            and stored.is_contiguous()
-            and stored.storage_offset() == 0
-            and storage.nbytes() == target.numel() * target.element_size()
-        )
-        return offset if same and offset is not None and _saved_little_endian(item) else None
+    from nlq_scale.compat.torch import stored_tensor
 
     def read_exactly(stream: Any, offset: int, target: torch.Tensor, relative_path: str) -> None:
         view = memoryview(target.view(-1).view(torch.uint8).numpy())
@@ -550,8 +525,12 @@ def _direct_reader_class() -> type:
             target = planner.resolve_tensor(req).detach()
             if type(target) is not torch.Tensor or target.device.type != "cpu" or not target.is_contiguous():
                 return None
-            offset = stored_tensor_offset(_Window(stream, item_md.offset, item_md.length), target)
-            return None if offset is None else (target, item_md.offset + offset)
+            stored = stored_tensor(_Window(stream, item_md.offset, item_md.length))
+            if stored is None or not stored.little_endian or not stored.is_whole_contiguous():
+                return None
+            if stored.dtype != target.dtype or stored.shape != tuple(target.shape):
+                return None
+            return target, item_md.offset + stored.data_offset
 
         def read_data(self, plan, planner):
             if sys.byteorder != "little":

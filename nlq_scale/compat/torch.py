@@ -1,12 +1,20 @@
 """torch internals: the weak tensor-keyed dict the device check uses, stopping a DataLoader's
-worker processes, and the private names and plain-pickle read of torch.distributed.checkpoint
-metadata that train/untrusted.py guards (runtime/device_check.py, data/loader.py and
-train/untrusted.py go through here)."""
+worker processes, the private names and plain-pickle read of torch.distributed.checkpoint
+metadata that train/untrusted.py guards, and reading what a torch.save'd tensor's header says
+(runtime/device_check.py, data/loader.py, train/untrusted.py and compat/megatron.py go through
+here)."""
 
 from __future__ import annotations
 
+import collections
+import io
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from nlq_scale.compat import Private
@@ -25,13 +33,27 @@ RELIES_ON = (
     Private("torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata", "pickle.load(", in_source=True),
     Private("torch.utils.data.dataloader:_MultiProcessingDataLoaderIter", "_shutdown_workers", params=()),
     # compat.megatron.direct_tensor_reads: a torch.distributed.checkpoint item is a torch.save'd tensor
-    # at (offset, length) of its file; loaded onto the meta device, its storage says where its bytes start.
+    # at (offset, length) of its file, which torch's reader torch.loads (stored_tensor reads its header).
     Private("torch.distributed.checkpoint.filesystem:FileSystemReader.read_data",
             "torch.load(", in_source=True),
     Private("torch.distributed.checkpoint.filesystem:FileSystemReader.read_data",
             "item_md.transform_descriptors", in_source=True),
-    Private("torch.serialization:_load", "storage._checkpoint_offset", in_source=True),
+    # stored_tensor: what torch.save writes for one tensor (its pickle's one call, the persistent id
+    # of its storage, and the host's byte order as a record of its own).
+    Private("torch._utils", "_rebuild_tensor_v2",
+            params=("storage", "storage_offset", "size", "stride", "requires_grad", "backward_hooks")),
+    Private("torch._tensor:Tensor._reduce_ex_internal", "torch._utils._rebuild_tensor_v2", in_source=True),
+    Private("torch.serialization:_save", '("storage", storage_type, storage_key, location, storage_numel)',
+            in_source=True),
+    Private("torch.serialization:_save", 'write_record("byteorder"', in_source=True),
 )
+
+# torch.save's typed storages, by the name its pickle gives them: the dtypes a checkpoint holds.
+STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}  # fmt: skip
 
 
 def stop_loader_workers(batches: Any) -> None:
@@ -41,4 +63,95 @@ def stop_loader_workers(batches: Any) -> None:
     if shutdown is not None:
         shutdown()
 
-__all__ = ["DCP_METADATA_GLOBALS", "WeakTensorKeyDictionary", "stop_loader_workers"]
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """What the header of a torch.save'd tensor says of it; `data_offset` is where its storage's
+    bytes start in the saved file (uncompressed, in the byte order `little_endian` says)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    storage_nbytes: int
+    data_offset: int
+    little_endian: bool
+
+    def is_whole_contiguous(self) -> bool:
+        """Whether the storage holds exactly this tensor's elements, in row-major order (torch's
+        contiguity: the strides of size-1 dimensions do not matter)."""
+        if len(self.shape) != len(self.stride):
+            return False
+        expected = 1
+        for size, stride in reversed(list(zip(self.shape, self.stride))):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return self.storage_offset == 0 and expected > 0 and self.storage_nbytes == expected * self.dtype.itemsize
+
+
+def _rebuilt(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None) -> tuple:
+    if backward_hooks or metadata:
+        raise pickle.UnpicklingError("a tensor with hooks or metadata")
+    return storage, storage_offset, tuple(size), tuple(stride)
+
+
+class _TensorHeader(pickle.Unpickler):
+    """Unpickles the data.pkl of a torch.save'd plain tensor into what it says, building nothing:
+    the only globals it resolves are the rebuild call (to `_rebuilt`, which records its arguments),
+    OrderedDict (its hooks) and the typed storages (to their dtype); any other is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuilt
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in STORAGE_DTYPES:
+            return STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return pid
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip local file header: signature ... name, extra lengths
+
+
+def stored_tensor(item: Any) -> StoredTensor | None:
+    """What the header of the one tensor torch.save wrote into `item` (a seekable binary stream
+    holding that file) says, parsed without unpickling through torch or reading its data, or None
+    when `item` holds anything else (a parameter, a container, a compressed storage, another
+    format): torch.load, which also reads those, is several times slower for the header alone.
+    Used to read a stored tensor's bytes straight into memory of its own."""
+    try:
+        with zipfile.ZipFile(item) as archive:
+            records = {info.filename.partition("/")[2]: info for info in archive.infolist()}
+            storage, storage_offset, shape, stride = _TensorHeader(io.BytesIO(archive.read(records["data.pkl"]))).load()
+            kind, dtype, key, _location, numel = storage
+            byteorder = archive.read(records["byteorder"])
+        data = records[f"data/{key}"]
+    except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError, TypeError, EOFError):
+        return None
+    if kind != "storage" or dtype not in STORAGE_DTYPES.values() or byteorder not in (b"little", b"big"):
+        return None
+    if not all(type(n) is int for n in (numel, storage_offset, *shape, *stride)):
+        return None
+    if data.compress_type != zipfile.ZIP_STORED or data.file_size != numel * dtype.itemsize:
+        return None
+    item.seek(data.header_offset)
+    header = item.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != b"PK\x03\x04":
+        return None
+    _signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+    return StoredTensor(
+        dtype=dtype,
+        shape=shape,
+        stride=stride,
+        storage_offset=storage_offset,
+        storage_nbytes=data.file_size,
+        data_offset=data.header_offset + _LOCAL_HEADER.size + name_length + extra_length,
+        little_endian=byteorder == b"little",
+    )
+
+
+__all__ = ["DCP_METADATA_GLOBALS", "StoredTensor", "WeakTensorKeyDictionary", "stop_loader_workers", "stored_tensor"]
