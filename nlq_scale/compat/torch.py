@@ -140,9 +140,11 @@ def stored_tensor(item: Any) -> StoredTensor | None:
         return None
     item.seek(data.header_offset)
     header = item.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != b"PK\x03\x04":
+    if len(header) != _LOCAL_HEADER.size:
         return None
-    _signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+    signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+    if signature != b"PK\x03\x04":
+        return None
     return StoredTensor(
         dtype=dtype,
         shape=shape,
