@@ -19,6 +19,7 @@ import torch
 from nlq_scale import arms
 from nlq_scale.arms.base import Arm
 from nlq_scale.config import load_run_config
+from nlq_scale.errors import UsageError
 from nlq_scale.model.accounting import count_parameters
 from tests.conftest import REPO, TINY_MODEL, run_ranks
 from tests.test_model import build_model as build
@@ -386,3 +387,43 @@ def test_example_arm_conforms():
     assert r.returncode == 0, r.stdout[-3000:]
     passed = int(re.search(r"(\d+) passed", r.stdout).group(1))
     assert passed >= 2 * len(VARIANTS) + 2, r.stdout[-1000:]
+
+
+def _two_micro_batches(cfg) -> list[torch.Tensor]:
+    """Losses of two micro-batches (different tokens, one backward each, as megatron runs them), then
+    every accumulated gradient, and the logits of a call without autograd."""
+    model = build(cfg)
+    positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(3, -1)
+    losses = []
+    for seed in (1, 2):
+        tokens = torch.randint(0, cfg.model.vocab_size, (3, cfg.model.seq_length), generator=torch.Generator().manual_seed(seed))
+        loss = model(tokens, positions, None, labels=tokens).mean()
+        loss.backward()
+        losses.append(loss.detach())
+    return [*losses, *(p.grad for p in model.parameters()), logits(model, cfg, tokens_for(cfg))]
+
+
+@pytest.mark.parametrize("arm, overrides", [("nonlinear", ["model.nlq.fuse_up=true"]), ("nonlinear-ph", []),
+                                            ("residual", ["model.add_bias_linear=true"]), ("identity", [])])  # fmt: skip
+def test_graphed_query_gives_the_eager_losses_and_gradients(single_rank, arm, overrides):
+    """parallel.graph_query on the CPU: the static buffers and the autograd function around the
+    (eagerly re-run) graphs give the eager losses and gradients over two micro-batches, each
+    captured layer reused by the second; without autograd the module itself runs."""
+    from nlq_scale.model.graphed import GraphedQuery
+
+    eager, graphed = (_two_micro_batches(case_config(arm, [*overrides, f"parallel.graph_query={g}"])) for g in (False, True))
+    for a, b in zip(eager, graphed, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    model = build(case_config(arm, ["parallel.graph_query=true"]))
+    layers = [m for m in model.modules() if getattr(m, "graphed_query", None) is not None]
+    assert len(layers) == model.config.num_layers and all(isinstance(m.graphed_query, GraphedQuery) for m in layers)
+    assert not any("graphed" in name for name in model.state_dict())
+
+
+@pytest.mark.parametrize("refused, field", [("parallel.tp=2", "parallel.tp > 1"), ("parallel.pp=2", "parallel.pp > 1"),
+                                            ("parallel.recompute=full", "parallel.recompute=full"),
+                                            ("parallel.recompute_query=true", "parallel.recompute_query"),
+                                            ("train.engine=deepspeed", "train.engine=deepspeed")])  # fmt: skip
+def test_graphed_query_refuses_what_it_cannot_replay(refused, field):
+    with pytest.raises(UsageError, match=re.escape(f"parallel.graph_query: unsupported with {field}")):
+        case_config("nonlinear", ["parallel.graph_query=true", refused])

@@ -182,6 +182,12 @@ class ParallelConfig(Strict):
         description="compile the norms and elementwise work around the arm's query MLP with torch.compile "
         "(fused kernels; the same function, other rounding; arms with one: nonlinear, nonlinear-ph, preproj)",
     )
+    graph_query: bool = Field(
+        False,
+        description="run the arm's query module as two CUDA graphs, forward and backward, captured at its first "
+        "training call (one host call each instead of ~40 kernel launches; tp=pp=1, no recompute, megatron engine; "
+        "on the CPU the same buffers without graphs; arms with a query module: identity, nonlinear, nonlinear-ph, residual)",
+    )
 
 
 class StreamConfig(Strict):
@@ -389,6 +395,8 @@ class RunConfig(Strict):
                              "(norm grads need megatron's TP reduction)")  # fmt: skip
         if self.train.engine == "deepspeed" and self.checkpoint.async_save:
             raise ValueError("checkpoint.async_save needs train.engine=megatron (the DeepSpeed engine saves synchronously)")
+        if p.graph_query:
+            self._graphable()
         if self.train.global_batch_size % self.train.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size ({self.train.global_batch_size}) not divisible by "
@@ -396,6 +404,20 @@ class RunConfig(Strict):
             )
         self._solve_validation_sizes()
         return self
+
+    def _graphable(self) -> None:
+        """parallel.graph_query keeps one micro-batch in static buffers and replays no collective or hook."""
+        p = self.parallel
+        refused = {
+            "parallel.tp > 1 (W2's all-reduce)": p.tp > 1,
+            "parallel.pp > 1 (several micro-batches in flight)": p.pp > 1,
+            f"parallel.recompute={p.recompute}": p.recompute != "none",
+            "parallel.recompute_query": p.recompute_query,
+            "parallel.compile_query": p.compile_query,
+            "train.engine=deepspeed (ZeRO gathers parameters in module hooks)": self.train.engine == "deepspeed",
+        }
+        if any(refused.values()):
+            raise ValueError(f"parallel.graph_query: unsupported with {', '.join(k for k, v in refused.items() if v)}")
 
     def _solve_validation_sizes(self) -> None:
         """Sizes given in tokens become sequences once, here (written past validate_assignment, as

@@ -17,6 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from nlq_scale.model.graphed import GraphedQuery
 from nlq_scale.model.query import recomputed
 
 
@@ -56,6 +57,7 @@ class QueryVariantAttention(Attention):
             pg_collection=pg_collection,
         )
         self.query = build_module(submodules.query, config=self.config, tp_group=self.pg_collection.tp)
+        self.graphed_query = GraphedQuery(self.query) if self.config.graph_query else None
         self.linear_kv = build_module(
             submodules.linear_kv,
             self.config.hidden_size,
@@ -85,7 +87,10 @@ class QueryVariantAttention(Attention):
         kv, _ = self.linear_kv(hidden_states)
         kv = kv.view(*kv.shape[:-1], self.num_query_groups_per_partition, 2 * head_dim)
         key, value = torch.split(kv, head_dim, dim=-1)
-        query = recomputed(self.query, hidden_states, self.config.recompute_query)
+        if self.graphed_query is not None:
+            query = self.graphed_query(hidden_states)
+        else:
+            query = recomputed(self.query, hidden_states, self.config.recompute_query)
         query = query.view(*query.shape[:-1], self.num_attention_heads_per_partition, head_dim)
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)

@@ -32,6 +32,7 @@ class NLQTransformerConfig(TransformerConfig):
 
     recompute_query: bool = False  # parallel.recompute_query, where the arm has a query path to recompute
     compile_query: bool = False  # parallel.compile_query
+    graph_query: bool = False  # parallel.graph_query
 
 
 def softmax_scale(m: ModelConfig) -> float:
@@ -55,6 +56,7 @@ def transformer_config(
     return NLQTransformerConfig(
         recompute_query=arms.get(m.arm).recomputes_query(m, p.recompute_query),
         compile_query=p.compile_query,
+        graph_query=p.graph_query,
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
