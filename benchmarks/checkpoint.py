@@ -2,8 +2,10 @@
 reshardable optimizer state) against a raw sequential write (fsynced, as the save's files are) and
 read of the same number of bytes, and the cost of a background save (checkpoint.async_save) to the
 training steps it overlaps, next to the cost of a raw write of as many bytes, measured side by side
-in one run. Prints one JSON line. Goals: save and load >= 0.5 of raw; a step during a background
-save <= 1.1 x a step without one.
+in one run. Also a loop of tiny torch ops (holding the interpreter lock, as a loop issuing GPU
+kernels does) while a background save is written by each writer (`host_loop_*_over_plain`: the
+CPU's stand-in for a GPU step, where the thread writer cost 1.48x). Prints one JSON line. Goals:
+save and load >= 0.5 of raw; a step during a background save <= 1.1 x a step without one.
 
     python benchmarks/checkpoint.py [--hidden 256 --layers 4 --repeats 5 --rounds 8]
     python benchmarks/checkpoint.py --hidden 768 --layers 12 --rounds 0   # 124M's width and depth, save/load only
@@ -18,6 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import mean, median
 
@@ -80,41 +83,39 @@ def save_load_and_raw(engine, target: Path, scratch: bytearray) -> dict:
             "raw_cached_write": cached_s, "raw_write": write_s, "raw_read": read_s}  # fmt: skip
 
 
-def timed_step(engine, tokens) -> float:
+def timed(step: Callable[[], object]) -> float:
     start = time.perf_counter()
-    engine.train_step(tokens)
+    step()
     return time.perf_counter() - start
 
 
-def background_save_round(engine, tokens, target: Path, normal_steps: int) -> tuple[list[float], list[float], float]:
-    """`normal_steps` plain training steps, then a background save and the steps that overlap its
-    write, each with the poll the train loop makes after it (the last poll finalizes the save).
+def background_save_round(engine, step: Callable[[], object], target: Path, normal_steps: int) -> tuple[list[float], list[float], float]:
+    """`normal_steps` plain steps, then a background save and the steps that overlap its write,
+    each with the poll the train loop makes after it (the last poll finalizes the save).
     Returns (plain step times, overlapped step times, seconds the save's start blocked training)."""
-    plain = [timed_step(engine, tokens) for _ in range(normal_steps)]
-    start = time.perf_counter()
-    engine.save(target, background=True)
-    blocked = time.perf_counter() - start
+    plain = [timed(step) for _ in range(normal_steps)]
+    blocked = timed(lambda: engine.save(target, background=True))
     overlapped, written = [], False
     while not written:
         start = time.perf_counter()
-        engine.train_step(tokens)
+        step()
         written = engine.save_written(blocking=False)
         overlapped.append(time.perf_counter() - start)
     return plain, overlapped, blocked
 
 
-def overlapped_raw_write_round(engine, tokens, path: Path, nbytes: int) -> tuple[float, list[float]]:
+def overlapped_raw_write_round(step: Callable[[], object], path: Path, nbytes: int) -> tuple[float, list[float]]:
     """One plain step, then the steps that overlap a raw fsynced write of `nbytes` by a thread at the
-    lowest CPU priority, as the engine's background writer runs: what any writer of that many bytes
+    lowest CPU priority, as the engine's thread writer runs: what any writer of that many bytes
     costs the steps on this machine, the floor under a background save's."""
-    from nlq_scale.train.engine_megatron import at_lowest_priority
+    from nlq_scale.train.writers import at_lowest_priority
 
-    plain = timed_step(engine, tokens)
+    plain = timed(step)
     writer = threading.Thread(target=at_lowest_priority, args=(lambda: raw_write(path, nbytes),))
     writer.start()
-    overlapped = [timed_step(engine, tokens)]
+    overlapped = [timed(step)]
     while writer.is_alive():
-        overlapped.append(timed_step(engine, tokens))
+        overlapped.append(timed(step))
     writer.join()
     path.unlink()
     return plain, overlapped
@@ -125,17 +126,20 @@ def background_save_figures(engine, tokens, work: Path, rounds: int, save_s: flo
     previous one overlapped. The cost of a background save to training — its start plus what the
     steps it overlapped took beyond plain ones — is also set against a synchronous save (`save_s`),
     and the overlapped steps against steps overlapping a raw write of the checkpoint's bytes."""
-    timed_step(engine, tokens)  # warm-up: the first step creates the optimizer state
+    def step() -> None:
+        engine.train_step(tokens)
+
+    step()  # warm-up: the first step creates the optimizer state
     plain, overlapped, blocked, normal_steps = [], [], [], 2
     for i in range(rounds):
         target = work / f"background{i}"
         target.mkdir()
-        p_s, o_s, b_s = background_save_round(engine, tokens, target, normal_steps)
+        p_s, o_s, b_s = background_save_round(engine, step, target, normal_steps)
         shutil.rmtree(target)
         plain, overlapped, blocked, normal_steps = plain + p_s, overlapped + o_s, blocked + [b_s], len(o_s)
     raw_plain, raw_overlapped = [], []
     for _ in range(rounds):
-        p_s, o_s = overlapped_raw_write_round(engine, tokens, work / "raw-overlapped", nbytes)
+        p_s, o_s = overlapped_raw_write_round(step, work / "raw-overlapped", nbytes)
         raw_plain, raw_overlapped = raw_plain + [p_s], raw_overlapped + o_s
     step = mean(plain)
     cost = mean(blocked) + (sum(overlapped) - len(overlapped) * step) / rounds
@@ -147,6 +151,41 @@ def background_save_figures(engine, tokens, work: Path, rounds: int, save_s: flo
         "async_start_over_save": round(mean(blocked) / save_s, 3),
         "async_cost_over_save": round(cost / save_s, 3),
     }
+
+
+HOST_LOOP_OPS = 20000  # ~35 ms on this machine, the GPU benchmark run's step (session 23)
+
+
+def host_loop_figures(engine, work: Path, rounds: int, nbytes: int) -> dict:
+    """A loop of tiny in-place torch ops holds the interpreter lock and waits on nothing, as a
+    training loop that only issues GPU kernels does: its time while a background save is written,
+    by each writer (checkpoint.async_writer), and while a raw write is, over its time alone."""
+    import torch
+
+    x = torch.zeros(16)
+
+    def loop() -> None:
+        for _ in range(HOST_LOOP_OPS):
+            x.add_(1.0)
+
+    figures, setting = {}, engine.cfg.checkpoint.async_writer
+    for writer in ("thread", "process"):
+        engine.cfg.checkpoint.async_writer = writer
+        plain, overlapped = [], []
+        for i in range(rounds):
+            target = work / f"host-loop-{writer}{i}"
+            target.mkdir()
+            p_s, o_s, _ = background_save_round(engine, loop, target, normal_steps=4)
+            shutil.rmtree(target)
+            plain, overlapped = plain + p_s, overlapped + o_s
+        figures[f"host_loop_{writer}_writer_over_plain"] = round(mean(overlapped) / mean(plain), 3)
+    engine.cfg.checkpoint.async_writer = setting
+    plain, overlapped = [], []
+    for _ in range(rounds):
+        p_s, o_s = overlapped_raw_write_round(loop, work / "raw-overlapped", nbytes)
+        plain, overlapped = plain + [p_s], overlapped + o_s
+    figures["host_loop_raw_write_over_plain"] = round(mean(overlapped) / mean(plain), 3)
+    return figures
 
 
 def main() -> None:
@@ -178,7 +217,10 @@ def main() -> None:
             shape = (cfg.train.global_batch_size, cfg.model.seq_length + 1)
             tokens = torch.randint(cfg.model.vocab_size, shape, device=device.torch_device)
             save_s = median(p["save"] for p in pairs)
-            background = background_save_figures(engine, tokens, work, a.rounds, save_s, pairs[0]["bytes"]) if a.rounds else {}
+            background = {}
+            if a.rounds:
+                background = background_save_figures(engine, tokens, work, a.rounds, save_s, pairs[0]["bytes"])
+                background |= host_loop_figures(engine, work, a.rounds, pairs[0]["bytes"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     mb = pairs[0]["bytes"] / 1e6

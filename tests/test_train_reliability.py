@@ -260,6 +260,8 @@ def test_full_disk_during_a_save_fails_in_one_line_and_resumes_exactly(reference
 # ---------------------------------------------------------------- background saves (checkpoint.async_save)
 
 ASYNC = ["checkpoint.async_save=true"]
+# checkpoint.async_writer: the CPU's default (auto) is the thread; the process is CUDA's default.
+WRITERS = pytest.mark.parametrize("writer", ["thread", "process"])
 
 
 def checkpoint_contents(ckpt: Path, tmp: Path) -> dict:
@@ -321,10 +323,11 @@ def test_a_run_failing_during_a_background_save_removes_it_and_blames_a_full_dis
 
 
 @pytest.mark.slow
-def test_background_saves_hold_what_synchronous_ones_hold(reference, sample_dataset, tmp_path):
+@WRITERS
+def test_background_saves_hold_what_synchronous_ones_hold(reference, sample_dataset, tmp_path, writer):
     """A save every step, each written while the next step trains (and changes the parameters):
     losses, checkpoint contents, retention and `latest` as with synchronous saves."""
-    args = (*ASYNC, "checkpoint.every=1", "checkpoint.keep=2", "checkpoint.keep_every=3")
+    args = (*ASYNC, f"checkpoint.async_writer={writer}", "checkpoint.every=1", "checkpoint.keep=2", "checkpoint.keep_every=3")
     run_dir = trained(tmp_path / "run", sample_dataset, *args)
     if first_loss(run_dir) != first_loss(reference):
         # Step 1's loss is computed before any save starts, so no save can have moved it: the two
@@ -345,10 +348,11 @@ def test_background_saves_hold_what_synchronous_ones_hold(reference, sample_data
 
 
 @pytest.mark.slow
-def test_crash_during_a_background_save_resumes_exactly_from_the_previous_one(reference, sample_dataset, tmp_path):
+@WRITERS
+def test_crash_during_a_background_save_resumes_exactly_from_the_previous_one(reference, sample_dataset, tmp_path, writer):
     run_dir = tmp_path / "run"
     args = ["train", "--scale", "cpu-xs", "--arm", "nonlinear", "--run-dir", str(run_dir), f"data.path={sample_dataset}",
-            *BASE, "logging.wandb=false", *ASYNC, "checkpoint.every=2"]  # fmt: skip
+            *BASE, "logging.wandb=false", *ASYNC, f"checkpoint.async_writer={writer}", "checkpoint.every=2"]  # fmt: skip
     crash = [sys.executable, str(SCRIPTS / "train_crash_in_save.py"), "2", *args]  # killed during step 4's save
     r = subprocess.run(crash, cwd=REPO, capture_output=True, text=True, timeout=600, start_new_session=True)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
@@ -366,9 +370,10 @@ def test_crash_during_a_background_save_resumes_exactly_from_the_previous_one(re
 
 
 @pytest.mark.slow
-def test_full_disk_during_a_background_save_fails_in_one_line(sample_dataset, small_disk):
+@WRITERS
+def test_full_disk_during_a_background_save_fails_in_one_line(sample_dataset, small_disk, writer):
     run_dir = small_disk / "run"
-    r = train(run_dir, sample_dataset, *ASYNC, "checkpoint.every=2", "checkpoint.keep=1")
+    r = train(run_dir, sample_dataset, *ASYNC, f"checkpoint.async_writer={writer}", "checkpoint.every=2", "checkpoint.keep=1")
     line = error_line(r.stderr)
     assert [ln for ln in r.stderr.splitlines() if not ln.startswith("[nlq-scale]")] == [line]
     partial = run_dir / "checkpoints" / ".tmp_step_4"

@@ -242,12 +242,13 @@ def _write_buckets_in_threads(
         global_results_queue.put(error)
 
 
-def staged_write(request: Any) -> Callable[[], None] | None:
+def staged_write(request: Any) -> tuple[Callable[[], None], Any] | None:
     """The write of a background save (dist_checkpointing.save(..., async_sharded_save=True) made
-    within `in_process_writes`) as a call a thread makes while training goes on. Every tensor it
-    writes is copied to host memory now: on a GPU the device-to-host staging megatron's preload does
-    (asynchronous copies into pinned memory, then one synchronization), on the host a snapshot of
-    tensors the next steps change in place. None when this rank has nothing to write."""
+    within `in_process_writes`) as a call a thread or a forked process makes while training goes on,
+    and the queue that call puts its results on (the save's finalization reads them there). Every
+    tensor it writes is copied to host memory now: on a GPU the device-to-host staging megatron's
+    preload does (asynchronous copies into pinned memory, then one synchronization), on the host a
+    snapshot of tensors the next steps change in place. None when this rank has nothing to write."""
     import torch
 
     if request.async_fn is None:
@@ -259,7 +260,7 @@ def staged_write(request: Any) -> Callable[[], None] | None:
     ]
     if any(tensor.is_cuda for _, _, (_, tensors) in buckets for _, tensor in tensors):
         torch.cuda.synchronize()
-    return functools.partial(request.async_fn, rank, staged, results)
+    return functools.partial(request.async_fn, rank, staged, results), results
 
 
 _STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # megatron's fully reshardable keys, per parameter

@@ -296,6 +296,12 @@ class CheckpointConfig(Strict):
         description="megatron engine: write the periodic checkpoints in the background while training goes on "
         "(completed at a later step; the final and preemption saves stay synchronous)",
     )
+    async_writer: Literal["auto", "thread", "process"] = Field(
+        "auto",
+        description="where a background save writes: a thread of the training process (shares its interpreter "
+        "lock) or a forked process (host pages training writes are copied while it lives); auto: the process on "
+        "CUDA, the thread on the CPU",
+    )
 
 
 class LoggingConfig(Strict):

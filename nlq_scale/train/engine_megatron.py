@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ from nlq_scale.train.engine_common import (
     reduce_eval,
     reduce_last_stage_mean,
 )
+from nlq_scale.train.writers import WRITERS, writer_kind
 
 # Reshardable across TP, PP and DP, so a run saved at one layout resumes at another.
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -85,25 +84,23 @@ def _gc_frozen() -> Iterator[None]:
 
 
 class _BackgroundSave:
-    """A save's write on a thread of this process while training goes on, at the lowest CPU
-    priority (where cores are few it must not slow the steps it overlaps, only finish later). A
-    thread, not a forked process: after a fork every page a training step writes is copied while
-    the writer lives, which on a CPU cost the overlapped steps as much as the write itself, or more
-    (docs/performance.md)."""
+    """A save's write while training goes on, by a thread or a forked process (`train/writers.py`,
+    checkpoint.async_writer); its finalization stays megatron's, and collective."""
 
-    def __init__(self, request: AsyncRequest, device: Device) -> None:
+    def __init__(self, request: AsyncRequest, device: Device, writer: str) -> None:
         self._finalize, self._device = request.finalize_fns, device
-        write = megatron_compat.staged_write(request)  # tensors copied now: the thread writes a snapshot
-        self._thread = threading.Thread(target=at_lowest_priority, args=(write,), name="checkpoint-writer")
-        if write is not None:
-            self._thread.start()
+        staged = megatron_compat.staged_write(request)  # tensors copied now: the writer writes a snapshot
+        self._writer = None if staged is None else WRITERS[writer](*staged)
+
+    def _writing(self) -> bool:
+        return self._writer is not None and self._writer.is_alive()
 
     def written(self, blocking: bool) -> bool:
         """Collective: every rank's write ended, and the save then finalized (its metadata written;
         a failed write raises on every rank); with `blocking`, waits for that."""
-        if blocking and self._thread.is_alive():
-            self._thread.join()
-        writing = self._device.put(torch.tensor([int(self._thread.is_alive())]))
+        if blocking and self._writer is not None:
+            self._writer.join()
+        writing = self._device.put(torch.tensor([int(self._writing())]))
         dist.all_reduce(writing)
         if writing.item():
             return False
@@ -113,15 +110,8 @@ class _BackgroundSave:
 
     def abandon(self) -> None:
         """Not collective: wait for this rank's write alone, and leave the save unfinalized."""
-        if self._thread.is_alive():
-            self._thread.join()
-
-
-def at_lowest_priority(write: Callable[[], None]) -> None:
-    """Call `write` at the lowest CPU priority, in a thread of its own (benchmarks/checkpoint.py
-    times a raw write the same way)."""
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread, and the ones it starts
-    write()
+        if self._writer is not None:
+            self._writer.join()
 
 
 class MegatronEngine:
@@ -239,7 +229,8 @@ class MegatronEngine:
         with megatron_compat.in_process_writes():
             request = dist_checkpointing.save(state, str(ckpt_dir), async_sharded_save=background)
             if background:
-                self._background = _BackgroundSave(request, self.device)
+                writer = writer_kind(self.cfg.checkpoint.async_writer, self.device.is_cuda)
+                self._background = _BackgroundSave(request, self.device, writer)
 
     def save_written(self, blocking: bool) -> bool:
         """Collective: whether the background save has been written by every rank and finalized
