@@ -121,6 +121,15 @@ def overlapped_raw_write_round(step: Callable[[], object], path: Path, nbytes: i
     return plain, overlapped
 
 
+def raw_write_over_plain(step: Callable[[], object], path: Path, nbytes: int, rounds: int) -> float:
+    """A step overlapping a raw write ÷ a plain step, over `rounds` raw-write rounds."""
+    plain, overlapped = [], []
+    for _ in range(rounds):
+        p_s, o_s = overlapped_raw_write_round(step, path, nbytes)
+        plain, overlapped = plain + [p_s], overlapped + o_s
+    return round(mean(overlapped) / mean(plain), 3)
+
+
 def background_save_figures(engine, tokens, work: Path, rounds: int, save_s: float, nbytes: int) -> dict:
     """Rounds of plain steps and a background save, each round with as many plain steps as the
     previous one overlapped. The cost of a background save to training — its start plus what the
@@ -137,17 +146,14 @@ def background_save_figures(engine, tokens, work: Path, rounds: int, save_s: flo
         p_s, o_s, b_s = background_save_round(engine, step, target, normal_steps)
         shutil.rmtree(target)
         plain, overlapped, blocked, normal_steps = plain + p_s, overlapped + o_s, blocked + [b_s], len(o_s)
-    raw_plain, raw_overlapped = [], []
-    for _ in range(rounds):
-        p_s, o_s = overlapped_raw_write_round(step, work / "raw-overlapped", nbytes)
-        raw_plain, raw_overlapped = raw_plain + [p_s], raw_overlapped + o_s
+    raw_ratio = raw_write_over_plain(step, work / "raw-overlapped", nbytes, rounds)
     step = mean(plain)
     cost = mean(blocked) + (sum(overlapped) - len(overlapped) * step) / rounds
     return {
         "step_s": round(step, 3),
         "async_overlapped_steps_per_save": round(len(overlapped) / rounds, 2),
         "async_step_over_step": round(mean(overlapped) / step, 3),
-        "raw_write_step_over_step": round(mean(raw_overlapped) / mean(raw_plain), 3),
+        "raw_write_step_over_step": raw_ratio,
         "async_start_over_save": round(mean(blocked) / save_s, 3),
         "async_cost_over_save": round(cost / save_s, 3),
     }
@@ -180,11 +186,7 @@ def host_loop_figures(engine, work: Path, rounds: int, nbytes: int) -> dict:
             plain, overlapped = plain + p_s, overlapped + o_s
         figures[f"host_loop_{writer}_writer_over_plain"] = round(mean(overlapped) / mean(plain), 3)
     engine.cfg.checkpoint.async_writer = setting
-    plain, overlapped = [], []
-    for _ in range(rounds):
-        p_s, o_s = overlapped_raw_write_round(loop, work / "raw-overlapped", nbytes)
-        plain, overlapped = plain + [p_s], overlapped + o_s
-    figures["host_loop_raw_write_over_plain"] = round(mean(overlapped) / mean(plain), 3)
+    figures["host_loop_raw_write_over_plain"] = raw_write_over_plain(loop, work / "raw-overlapped", nbytes, rounds)
     return figures
 
 

@@ -65,8 +65,13 @@ def logits(model, cfg, tokens):
         return model(tokens, positions, None)
 
 
-def tokens_for(cfg, batch: int = 3):
-    return torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_length), generator=torch.Generator().manual_seed(1))
+def tokens_for(cfg, batch: int = 3, seed: int = 1):
+    return torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_length), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(model, cfg, tokens) -> torch.Tensor:
+    positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(tokens.shape[0], -1)
+    return model(tokens, positions, None, labels=tokens).mean()
 
 
 # ---------------------------------------------------------------- the registry
@@ -227,8 +232,7 @@ def test_query_recompute_keeps_loss_and_gradients_bit_for_bit(single_rank, arm):
         cfg = case_config(arm, [f"parallel.recompute_query={recompute}"])
         assert transformer_config(cfg.model, cfg.parallel).recompute_query == (recompute and _recomputes(arm))
         model, tokens = build(cfg), tokens_for(cfg)
-        positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(tokens.shape[0], -1)
-        loss, nbytes = _saved_for_backward(lambda: model(tokens, positions, None, labels=tokens).mean())
+        loss, nbytes = _saved_for_backward(lambda: _loss(model, cfg, tokens))
         loss.backward()
         torch.manual_seed(0)
         ref = ReferenceGPT(cfg.model, recompute)
@@ -267,8 +271,7 @@ def test_fused_up_gives_the_unfused_loss_and_gradients_and_keeps_less(single_ran
             cfg = case_config(arm, [f"model.{arms.get(arm).options_key}.fuse_up={fused}", f"parallel.recompute_query={recompute}",
                                             f"model.add_bias_linear={bias}"])
             model, tokens = build(cfg), tokens_for(cfg)
-            positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(tokens.shape[0], -1)
-            loss, saved[fused, recompute] = _saved_for_backward(lambda: model(tokens, positions, None, labels=tokens).mean())
+            loss, saved[fused, recompute] = _saved_for_backward(lambda: _loss(model, cfg, tokens))
             loss.backward()
             grads[fused, recompute] = [loss.detach(), *(p.grad for p in model.parameters())]
             kept = arms.get(arm).recomputed_activation_elements if recompute else arms.get(arm).activation_elements
@@ -285,9 +288,8 @@ def test_fused_up_gives_the_unfused_loss_and_gradients_and_keeps_less(single_ran
 
 
 def _loss_and_gradients(cfg) -> list[torch.Tensor]:
-    model, tokens = build(cfg), tokens_for(cfg)
-    positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(tokens.shape[0], -1)
-    loss = model(tokens, positions, None, labels=tokens).mean()
+    model = build(cfg)
+    loss = _loss(model, cfg, tokens_for(cfg))
     loss.backward()
     return [loss.detach(), *(p.grad for p in model.parameters())]
 
@@ -393,11 +395,9 @@ def _two_micro_batches(cfg) -> list[torch.Tensor]:
     """Losses of two micro-batches (different tokens, one backward each, as megatron runs them), then
     every accumulated gradient, and the logits of a call without autograd."""
     model = build(cfg)
-    positions = torch.arange(cfg.model.seq_length).unsqueeze(0).expand(3, -1)
     losses = []
     for seed in (1, 2):
-        tokens = torch.randint(0, cfg.model.vocab_size, (3, cfg.model.seq_length), generator=torch.Generator().manual_seed(seed))
-        loss = model(tokens, positions, None, labels=tokens).mean()
+        loss = _loss(model, cfg, tokens_for(cfg, seed=seed))
         loss.backward()
         losses.append(loss.detach())
     return [*losses, *(p.grad for p in model.parameters()), logits(model, cfg, tokens_for(cfg))]
