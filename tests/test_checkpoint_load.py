@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import run_ranks
+from tests.test_train_deepspeed import single_rank  # noqa: F401  (fixture)
 
 
 def run(tmp_path, mode: str, nproc: int, *overrides: str) -> dict:
@@ -26,6 +27,10 @@ def assert_same_bits(result: dict) -> None:
     for rank in result["ranks"]:
         assert rank["keys"] > 0 and rank["differ"] == [], rank
         assert rank["torch_reads"]["in_place"] < rank["torch_reads"]["megatron"], rank
+
+
+def parallel_split(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if o.startswith("parallel.")]
 
 
 MOE_EP2 = ["model.moe.num_experts=4", "parallel.ep=2"]
@@ -53,6 +58,10 @@ def test_in_place_save_and_load_match_megatrons(tmp_path, layouts):
     for load_n, load_at in loads:
         loaded = run(tmp_path, "compare", load_n, *load_at)
         assert_same_bits(loaded)
+        # Only another TP/PP/EP split reshards the stored chunks (the optimizer state is stored
+        # per parameter, whatever the DP split): any other load reads without planning.
+        resharded = parallel_split(save_at) != parallel_split(load_at)
+        assert all(rank["planned"] == {"megatron": 1, "in_place": int(resharded)} for rank in loaded["ranks"]), loaded
         assert any(rank["split"] for rank in loaded["ranks"]) == (load_n == 2)  # DP=2 splits some parameter
 
 
@@ -148,6 +157,7 @@ def test_a_load_zeroes_no_padding_where_the_stored_shape_is_the_same():
     """megatron zeroes a tensor that may be stored in another shape (the padded vocabulary's)
     before reading into it; the engine clears that only where the checkpoint holds the same shape."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties, TensorStorageMetadata
 
     from nlq_scale.train.engine_megatron import _no_padding_where_shapes_match
 
@@ -158,9 +168,86 @@ def test_a_load_zeroes_no_padding_where_the_stored_shape_is_the_same():
         "model": {"same": sharded("same", 8, True), "fixed": sharded("fixed", 8, False)},
         "optimizer": [sharded("more rows stored", 8, True), sharded("not stored", 8, True)],
     }
-    stored = {"same": sharded("same", 8, False), "fixed": sharded("fixed", 8, False),
-              "more rows stored": sharded("more rows stored", 16, False)}  # fmt: skip
+    def metadata(rows: int) -> TensorStorageMetadata:  # what torch.distributed.checkpoint stores of a tensor
+        return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([rows, 4]), [])
+
+    stored = {"same": metadata(8), "fixed": metadata(8), "more rows stored": metadata(16), "an object": BytesStorageMetadata()}
     _no_padding_where_shapes_match(ours, stored)
     flags = {t.key: t.allow_shape_mismatch for t in [*ours["model"].values(), *ours["optimizer"]]}
     assert flags == {"same": False, "fixed": False, "more rows stored": True, "not stored": True}
     assert all(t.data.eq(1).all() for t in [*ours["model"].values(), *ours["optimizer"]])  # nothing read or zeroed
+
+
+@pytest.fixture
+def planned_loads(monkeypatch) -> list[int]:
+    """Loads that went through megatron's torch_dist strategy, which plans (and reshards) through
+    torch.distributed.checkpoint; the same-layout path calls it only to fall back."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    original, calls = TorchDistLoadShardedStrategy.load, []
+
+    def load(self, *args):
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(TorchDistLoadShardedStrategy, "load", load)
+    return calls
+
+
+def saved_engine(tmp_path, overrides: list[str]):
+    """A megatron engine trained two steps and saved into tmp_path/ckpt, and its state then."""
+    from tests.scripts import deepspeed_engine as s
+    from tests.scripts.megatron_load import state
+
+    cfg = s.config(overrides)
+    engine = s.megatron_engine(cfg)
+    s.train(engine, cfg, s.batches(cfg, 2, seed=1), 0)
+    (tmp_path / "ckpt").mkdir()
+    engine.save(tmp_path / "ckpt")
+    return engine, state(engine)
+
+
+def test_a_load_in_the_saved_layout_reads_every_tensor_without_planning(single_rank, tmp_path, planned_loads):
+    """Saved and loaded at one layout (MoE experts and all), each tensor reads its own stored
+    chunk, with no resharding plan, and the engine holds again every bit it saved, after training
+    on other data in between."""
+    from tests.scripts import deepspeed_engine as s
+    from tests.scripts.megatron_load import bits, state
+
+    overrides = ["model.moe.num_experts=2"]
+    engine, expected = saved_engine(tmp_path, overrides)
+    cfg = s.config(overrides)
+    s.train(engine, cfg, s.batches(cfg, 2, seed=7), 2)
+    engine.load(tmp_path / "ckpt")
+    loaded = state(engine)
+    assert planned_loads == []
+    assert loaded.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(bits(loaded[k]), bits(expected[k]))] == []
+
+
+def test_a_load_in_another_layout_goes_through_megatrons_resharding(single_rank, tmp_path, planned_loads):
+    """A vocabulary padded otherwise than the checkpoint's stores the embedding in another shape:
+    that load is megatron's, which pads."""
+    from tests.scripts import deepspeed_engine as s
+
+    engine, _ = saved_engine(tmp_path, [])  # vocabulary 1000, padded to a multiple of 8: 1000 rows
+    other = s.megatron_engine(s.config(["model.make_vocab_size_divisible_by=64"]))  # 1024 rows
+    other.load(tmp_path / "ckpt")
+    assert planned_loads == [1]
+    vocab = engine.cfg.model.vocab_size
+    ours, theirs = (e.model.module.embedding.word_embeddings.weight[:vocab] for e in (engine, other))
+    assert torch.equal(ours, theirs)
+
+
+def test_a_load_of_other_shapes_fails_as_megatrons_does(single_rank, tmp_path, planned_loads):
+    """A model whose MLP is wider (its embedding, which megatron may pad, the same) does not read
+    the checkpoint's chunks as its own: megatron's load refuses it, naming the mismatch."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tests.scripts import deepspeed_engine as s
+
+    saved_engine(tmp_path, [])
+    wider = s.megatron_engine(s.config(["model.ffn_hidden_size=512"]))
+    with pytest.raises(CheckpointException, match="Global shape mismatch"):
+        wider.load(tmp_path / "ckpt")
+    assert planned_loads == [1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,6 +126,21 @@ def test_coord_check_separates_the_parametrizations(single_rank, arm):
             "mlp.linear_fc2"} <= set(p["mup"]["modules"])
 
 
+def test_a_slopes_interval_is_the_spread_over_seeds():
+    """The seed bootstrap: curves that differ between seeds only by a constant factor give every
+    resample the same slope; seed-to-seed noise widens the interval around the point estimate;
+    one seed gives none."""
+    from nlq_scale.model.coord import slope, slope_interval
+
+    widths = [64, 128, 256, 512]
+    exact = np.array([[c * w**-0.5 for w in widths] for c in (1.0, 2.0, 3.0)])  # [seed, width]
+    assert slope_interval(widths, exact) == pytest.approx([-0.5, -0.5])
+    noisy = exact * np.random.default_rng(1).lognormal(0.0, 0.3, exact.shape)
+    lo, hi = slope_interval(widths, noisy)
+    assert lo < slope(widths, list(noisy.mean(axis=0))) < hi and hi - lo > 0.05
+    assert slope_interval(widths, exact[:1]) is None
+
+
 def test_coord_check_cli_writes_json_and_plot(tmp_path):
     from tests.conftest import nlq
 
@@ -135,7 +151,8 @@ def test_coord_check_cli_writes_json_and_plot(tmp_path):
     result = json.loads(r.stdout)
     modules = result["parametrizations"]["mup"]["modules"]
     assert {"self_attention.query.f.up", "self_attention.query.f.down", "self_attention.query.norm_in"} <= set(modules)
-    assert all(isinstance(m["slope"], float) for m in modules.values())
+    assert all(isinstance(m["slope"], float) and m["slope_interval"] is None for m in modules.values())  # one seed
+    assert result["parametrizations"]["mup"]["steepest"]["module"] in modules
     assert png.stat().st_size > 0 and result["png"] == str(png)
 
 

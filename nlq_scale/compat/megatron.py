@@ -1,7 +1,8 @@
 """megatron-core internals: the CPU shim's patch points, the mends for the torch-Adam fallback
-of the distributed optimizer, checkpoint writes in this process (no forked writers), and
-checkpoints that save the optimizer state from, and load it into, the optimizer's own tensors
-(runtime/cpu_shim.py, train/engine_megatron.py, train/engine_deepspeed.py go through here)."""
+of the distributed optimizer, checkpoint writes in this process (no forked writers),
+checkpoints that save the optimizer state from, and load it into, the optimizer's own tensors,
+and loads in the saved layout without resharding plans (runtime/cpu_shim.py,
+train/engine_megatron.py, train/engine_deepspeed.py go through here)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ _BUFFER = "megatron.core.distributed.param_and_grad_buffer"
 _TORCH_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
 _CLIP_GRADS = "megatron.core.optimizer.clip_grads"
 _FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_CHECKPOINTABLE = "megatron.core.dist_checkpointing.strategies.checkpointable"
 
 RELIES_ON = (
     Private(_RANDOM, "_get_cuda_rng_state", params=("device",)),
@@ -94,6 +96,24 @@ RELIES_ON = (
     Private(f"{_TORCH_STRATEGY}:TorchDistLoadShardedStrategy.load",
             "_get_filesystem_reader(checkpoint_dir, cache_metadata=True)", in_source=True),
     Private(_TORCH_STRATEGY, "MultiStorageClientFeature"),
+    # same_layout_strategy: where the torch_dist format stores a ShardedTensor (its key, its global
+    # offset, its local shape behind prepend_axis_num ones) and a ShardedObject (a torch.save'd list
+    # under its unique key), and what it returns in their places.
+    *(Private(where, text, in_source=True) for where, text in (
+        (f"{_TORCH_STRATEGY}:_replace_state_dict_keys_with_sharded_keys",
+         "key = sh_base.unique_key if isinstance(sh_base, ShardedObject) else sh_base.key"),
+        (f"{_TORCH_STRATEGY}:sharded_tensor_to_torch_sharded_tensor", "(1,) * prepend_axis_num + sh_ten.local_shape"),
+        (f"{_TORCH_STRATEGY}:sharded_tensor_to_torch_sharded_tensor",
+         "Shard.from_tensor_and_offsets(sh_ten.data, list(sh_ten.global_offset), rank)"),
+        (f"{_CHECKPOINTABLE}:CheckpointableShardedTensor.__create_write_items__",
+         "offsets = torch.Size(sh_ten._sh_ten.global_offset)"),
+        (f"{_CHECKPOINTABLE}:CheckpointableShardedTensor.__create_write_items__",
+         "chunk_size = torch.Size(sh_ten._sh_ten.local_shape)"),
+        (f"{_TORCH_STRATEGY}:mcore_to_pyt_state_dict", "torch.save([sh_obj.data for sh_obj in sh_objs], serialized_data)"),
+        (f"{_TORCH_STRATEGY}:mcore_to_pyt_state_dict",
+         "init_fn=torch.zeros if sh_ten.allow_shape_mismatch else torch.empty"),
+        (f"{_TORCH_STRATEGY}:_unwrap_pyt_sharded_tensor", "return [sh_ten._sh_ten.data]"),
+    )),
     Private("megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
             "CachedMetadataFileSystemReader"),
     # in_process_writes: the writer's per-bucket write, the forking function that calls it, and the
@@ -573,3 +593,137 @@ def direct_tensor_reads() -> Iterator[None]:
         yield
     finally:
         torch_strategy._get_filesystem_reader = original
+
+
+class _SameLayoutPlan:
+    """What a load reads when every tensor it asks for is a chunk the checkpoint stores whole: one
+    read item per tensor (and per object), addressed by the checkpoint's own index. Doubles as the
+    planner torch.distributed.checkpoint's reader hands what it read to."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self.targets: dict = {}
+        self.objects: dict[str, list] = {}
+
+    def resolve_tensor(self, req: Any) -> Any:
+        return self.targets[req.dest_index]
+
+    def commit_tensor(self, req: Any, tensor: Any) -> None:
+        pass  # read into the target itself
+
+    def load_bytes(self, req: Any, value: io.BytesIO) -> None:
+        import torch
+
+        self.objects[req.dest_index.fqn] = torch.load(value, map_location="cpu", weights_only=True)
+
+
+def _same_layout_tensor(plan: _SameLayoutPlan, sh: Any, metadata: Any) -> bool:
+    """Add the read of ShardedTensor `sh` to `plan` when the checkpoint stores exactly its chunk."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    stored = metadata.state_dict_metadata.get(sh.key)
+    if sh.flattened_range is not None or sh.allow_shape_mismatch or not isinstance(stored, TensorStorageMetadata):
+        return False
+    offset = torch.Size(sh.global_offset)
+    sizes = torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+    index = MetadataIndex(sh.key, offset)
+    chunk_sizes = {tuple(c.offsets): c.sizes for c in stored.chunks}
+    if stored.size != torch.Size(sh.global_shape) or chunk_sizes.get(offset) != sizes:
+        return False
+    if index not in metadata.storage_data or index in plan.targets:
+        return False
+    if sh.data is None:
+        sh.init_data(torch.device("cpu"), init_fn=torch.empty)  # as megatron's own load does
+    if not sh.data.is_contiguous():
+        return False
+    plan.targets[index] = sh.data.detach().view(sizes)
+    zeros = torch.Size([0] * len(sizes))
+    plan.items.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, sizes))
+    return True
+
+
+def _same_layout_object(plan: _SameLayoutPlan, sh: Any, metadata: Any) -> bool:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    index = MetadataIndex(sh.unique_key)
+    if not isinstance(metadata.state_dict_metadata.get(sh.unique_key), BytesStorageMetadata):
+        return False
+    if index not in metadata.storage_data or sh.unique_key in plan.objects:
+        return False
+    plan.objects[sh.unique_key] = []
+    plan.items.append(ReadItem(LoadItemType.BYTE_IO, index, None, index, None, None))
+    return True
+
+
+def _same_layout_plan(sharded_state_dict: dict, metadata: Any) -> _SameLayoutPlan | None:
+    """The reads of a load whose layout is the checkpoint's, or None where any tensor must be
+    resharded (another TP/PP/DP split, a padded vocabulary, DP-split flat ranges) or anything else
+    is not one stored item of its own."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    plan = _SameLayoutPlan()
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            ok = _same_layout_tensor(plan, sh, metadata)
+        else:
+            ok = isinstance(sh, ShardedObject) and _same_layout_object(plan, sh, metadata)
+        if not ok:
+            return None
+    return plan
+
+
+def _everyone(ok: bool, device: Any) -> bool:
+    """Whether `ok` holds on every rank: the loads must agree, or the ranks taking
+    torch.distributed.checkpoint's path wait in its collectives for ranks that never join them."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def checkpoint_metadata(checkpoint_dir: Any) -> Any:
+    """torch.distributed.checkpoint's metadata of a torch_dist checkpoint (what it stores, where)."""
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    return torch_strategy._get_filesystem_reader(str(checkpoint_dir), cache_metadata=True).read_metadata()
+
+
+def same_layout_strategy(device: Any, metadata: Any) -> Any:
+    """megatron's torch_dist load strategy, skipping torch.distributed.checkpoint's planning where
+    the checkpoint was saved in the layout it is loaded in: each tensor then reads its own stored
+    chunk, through the same reader (`direct_tensor_reads`), and no shards are built, overlapped or
+    exchanged between ranks. Where any rank's layout differs, every rank loads through megatron's
+    path, which reshards. `device`: where the ranks' agreement is reduced (the process group's);
+    `metadata`: the checkpoint's (`checkpoint_metadata`), read once for the whole load."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    class SameLayoutLoadStrategy(torch_strategy.TorchDistLoadShardedStrategy):
+        def load(self, sharded_state_dict: dict, checkpoint_dir: Any) -> dict:
+            plan = _same_layout_plan(sharded_state_dict, metadata)
+            if not _everyone(plan is not None, device):
+                return super().load(sharded_state_dict, checkpoint_dir)
+            reader = torch_strategy._get_filesystem_reader(checkpoint_dir, cache_metadata=True)
+            reader.set_up_storage_reader(metadata, is_coordinator=False)
+            reader.read_data(LoadPlan(plan.items), plan).wait()
+            self.cached_global_metadata = metadata
+            loaded = {key: iter(objects) for key, objects in plan.objects.items()}
+
+            def value(sh: Any) -> Any:
+                if isinstance(sh, ShardedTensor):
+                    return sh.data
+                return next(loaded[sh.unique_key]) if isinstance(sh, ShardedObject) else sh
+
+            return dict_list_map_inplace(value, sharded_state_dict)
+
+    return SameLayoutLoadStrategy()

@@ -115,6 +115,62 @@ class _TensorHeader(pickle.Unpickler):
 
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip local file header: signature ... name, extra lengths
+# The end-of-central-directory record: signature ... entries, directory size and offset, comment length.
+_END = struct.Struct("<4s6xHLLH")
+# A central directory entry: signature ... method ... sizes, name/extra/comment lengths ... local header offset.
+_ENTRY = struct.Struct("<4s6xH8xLLHHH8xL")
+_SPILL = 0xFFFFFFFF  # a size or offset zip64 moved to an extra field
+_TAIL = 4096  # torch.save's directory for one tensor (seven records) takes ~600 bytes
+_HEAD_SLACK = 1024  # the local headers (names, alignment padding) before and after the small records
+
+
+def _directory(item: Any) -> dict[str, tuple[int, int, int]] | None:
+    """Record name (after the archive's top folder) -> (local header offset, size, compression
+    method), from the zip's central directory read from the end of `item` in one read; None for an
+    archive this does not parse (a comment, zip64 sizes or offsets, a directory beyond the tail)."""
+    end = item.seek(0, io.SEEK_END)
+    start = max(0, end - _TAIL)
+    item.seek(start)
+    tail = item.read(end - start)
+    if len(tail) < _END.size:
+        return None
+    signature, count, size, offset, comment = _END.unpack_from(tail, len(tail) - _END.size)
+    pos = offset - start
+    if signature != b"PK\x05\x06" or comment or offset == _SPILL or pos < 0:
+        return None
+    records = {}
+    for _ in range(count):
+        if pos + _ENTRY.size > len(tail):
+            return None
+        signature, method, packed, unpacked, name, extra, note, local = _ENTRY.unpack_from(tail, pos)
+        if signature != b"PK\x01\x02" or _SPILL in (packed, unpacked, local):
+            return None
+        full = tail[pos + _ENTRY.size : pos + _ENTRY.size + name].decode("utf-8", "replace")
+        records[full.partition("/")[2]] = (local, unpacked, method)
+        pos += _ENTRY.size + name + extra + note
+    return records
+
+
+def _record_start(item: Any, head: bytes, local: int) -> int | None:
+    """Where the bytes of the record whose local header is at `local` start: parsed from `head`
+    (the item's first bytes) where it holds the header, else read."""
+    header = head[local : local + _LOCAL_HEADER.size]
+    if len(header) < _LOCAL_HEADER.size:
+        item.seek(local)
+        header = item.read(_LOCAL_HEADER.size)
+    if len(header) < _LOCAL_HEADER.size:
+        return None
+    signature, name, extra = _LOCAL_HEADER.unpack(header)
+    return local + _LOCAL_HEADER.size + name + extra if signature == b"PK\x03\x04" else None
+
+
+def _contents(item: Any, head: bytes, record: tuple[int, int, int]) -> bytes | None:
+    """A small stored record's bytes, from `head` (where torch.save puts its small records)."""
+    local, size, method = record
+    at = _record_start(item, head, local)
+    if method != zipfile.ZIP_STORED or at is None or at + size > len(head):
+        return None
+    return head[at : at + size]
 
 
 def stored_tensor(item: Any) -> StoredTensor | None:
@@ -122,36 +178,40 @@ def stored_tensor(item: Any) -> StoredTensor | None:
     holding that file) says, parsed without unpickling through torch or reading its data, or None
     when `item` holds anything else (a parameter, a container, a compressed storage, another
     format): torch.load, which also reads those, is several times slower for the header alone.
-    Used to read a stored tensor's bytes straight into memory of its own."""
-    try:
-        with zipfile.ZipFile(item) as archive:
-            records = {info.filename.partition("/")[2]: info for info in archive.infolist()}
-            storage, storage_offset, shape, stride = _TensorHeader(io.BytesIO(archive.read(records["data.pkl"]))).load()
-            kind, dtype, key, _location, numel = storage
-            byteorder = archive.read(records["byteorder"])
-        data = records[f"data/{key}"]
-    except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError, TypeError, EOFError):
+    zipfile, too, took most of a same-layout load's own time: here two reads, the directory at the
+    end and the small records at the start. Used to read a stored tensor's bytes straight into
+    memory of its own."""
+    records = _directory(item)
+    if records is None or not {"data.pkl", "byteorder"} <= records.keys():
         return None
-    if kind != "storage" or dtype not in STORAGE_DTYPES.values() or byteorder not in (b"little", b"big"):
+    small = (records["data.pkl"], records["byteorder"])
+    item.seek(0)
+    head = item.read(max(local + size for local, size, _ in small) + _HEAD_SLACK)
+    pickled, byteorder = (_contents(item, head, record) for record in small)
+    if pickled is None or byteorder not in (b"little", b"big"):
+        return None
+    try:
+        storage, storage_offset, shape, stride = _TensorHeader(io.BytesIO(pickled)).load()
+        kind, dtype, key, _location, numel = storage
+    except (pickle.UnpicklingError, ValueError, TypeError, EOFError):
+        return None
+    if kind != "storage" or dtype not in STORAGE_DTYPES.values():
         return None
     if not all(type(n) is int for n in (numel, storage_offset, *shape, *stride)):
         return None
-    if data.compress_type != zipfile.ZIP_STORED or data.file_size != numel * dtype.itemsize:
+    local, size, method = records.get(f"data/{key}", (0, -1, -1))
+    if method != zipfile.ZIP_STORED or size != numel * dtype.itemsize:
         return None
-    item.seek(data.header_offset)
-    header = item.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size:
-        return None
-    signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
-    if signature != b"PK\x03\x04":
+    data_offset = _record_start(item, head, local)
+    if data_offset is None:
         return None
     return StoredTensor(
         dtype=dtype,
         shape=shape,
         stride=stride,
         storage_offset=storage_offset,
-        storage_nbytes=data.file_size,
-        data_offset=data.header_offset + _LOCAL_HEADER.size + name_length + extra_length,
+        storage_nbytes=size,
+        data_offset=data_offset,
         little_endian=byteorder == b"little",
     )
 

@@ -148,7 +148,11 @@ def _print_slopes(result: dict) -> None:
                         f"{result['parametrizations'][n]['modules'][role]['update_slope']:>+14.3f}" for n in names)
         print(f"  {role:<44}{cells}")
     for n in names:
-        print(f"  {n}: max |slope| {result['parametrizations'][n]['max_abs_slope']:.3f}")
+        p = result["parametrizations"][n]
+        where, interval = f"{p['steepest']['module']} {p['steepest']['slope']}", p["steepest"]["interval"]
+        if interval is not None:
+            where += f"; 95% seed-bootstrap interval {interval[0]:+.3f} to {interval[1]:+.3f}"
+        print(f"  {n}: max |slope| {p['max_abs_slope']:.3f} ({where})")
     goals = {"mup_flat": f"muP: every |slope| < {MUP_FLAT}", "standard_drifts": f"standard: some |slope| > {STANDARD_STEEP}"}
     for key, ok in result["verdict"].items():
         print(f"  {goals[key]}: {'yes' if ok else 'NO'}")

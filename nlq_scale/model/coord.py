@@ -51,7 +51,8 @@ class CoordCheckSpec:
 
 @dataclass
 class Curves:
-    """Per module role: mean |activation| after training and mean |change since init|, per width."""
+    """Per module role: mean |activation| after training and mean |change since init|, per width
+    and seed."""
 
     activation: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     update: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -175,27 +176,57 @@ def slope(widths: list[int], values: list[float]) -> float:
     return float(np.polyfit(np.log(widths), np.log(values), 1)[0])
 
 
+BOOTSTRAP = 2000  # seed resamples per interval
+
+
+def slope_interval(widths: list[int], per_seed: np.ndarray, level: float = 0.95) -> list[float] | None:
+    """A seed-bootstrap interval for the slope of the seed-mean curve: `per_seed` is [seed, width].
+    The attention logits' mean |.| varies so much from seed to seed at the narrow widths (a few
+    heads) that two sets of 12 seeds gave the linear arm's slope as -0.09 and -0.30. None with
+    fewer than two seeds or a curve that touches 0."""
+    if per_seed.shape[0] < 2 or per_seed.min() <= 0.0:
+        return None
+    rng = np.random.default_rng(0)
+    resampled = per_seed[rng.integers(0, per_seed.shape[0], (BOOTSTRAP, per_seed.shape[0]))].mean(axis=1)
+    x = np.log(widths) - np.log(widths).mean()
+    y = np.log(resampled)
+    slopes = (y - y.mean(axis=1, keepdims=True)) @ x / (x @ x)
+    tail = 100 * (1 - level) / 2
+    return [float(v) for v in np.percentile(slopes, [tail, 100 - tail])]
+
+
 def check(spec: CoordCheckSpec) -> dict:
     """Needs a one-process torch.distributed world (nlq_scale.runtime.dist.distributed)."""
     result = {"arm": spec.arm, "widths": list(spec.widths), "steps": spec.steps, "lr": spec.lr,
               "seeds": list(spec.seeds), "head_dim": HEAD_DIM, "parametrizations": {}}  # fmt: skip
     for parametrization in spec.parametrizations:
-        curves = Curves()
+        curves = Curves()  # per role: [width][seed]
         for width in spec.widths:
             per_seed = [measure_width(spec, parametrization, width, seed) for seed in spec.seeds]
             for role in per_seed[0][0]:
-                curves.activation[role].append(float(np.mean([a[role] for a, _ in per_seed])))
-                curves.update[role].append(float(np.mean([u[role] for _, u in per_seed])))
-        modules = {
-            role: {"activation": curves.activation[role], "update": curves.update[role],
-                   "slope": slope(spec.widths, curves.activation[role]),
-                   "update_slope": slope(spec.widths, curves.update[role])}  # fmt: skip
-            for role in curves.activation
+                curves.activation[role].append([a[role] for a, _ in per_seed])
+                curves.update[role].append([u[role] for _, u in per_seed])
+        modules = {role: _module(spec.widths, curves, role) for role in curves.activation}
+        role, stat = max(((r, k) for r in modules for k in ("slope", "update_slope")), key=lambda rk: abs(modules[rk[0]][rk[1]]))
+        result["parametrizations"][parametrization] = {
+            "modules": modules,
+            "max_abs_slope": abs(modules[role][stat]),
+            "steepest": {"module": role, "slope": stat, "interval": modules[role][f"{stat}_interval"]},
         }
-        steepest = max(max(abs(m["slope"]), abs(m["update_slope"])) for m in modules.values())
-        result["parametrizations"][parametrization] = {"modules": modules, "max_abs_slope": steepest}
     result["verdict"] = verdict(result)
     return result
+
+
+def _module(widths: list[int], curves: Curves, role: str) -> dict:
+    """One module's seed-mean curves, their slopes and the slopes' seed-bootstrap intervals."""
+    out = {}
+    for stat, prefix in (("activation", ""), ("update", "update_")):
+        per_seed = np.array(getattr(curves, stat)[role]).T  # [seed, width]
+        mean = [float(v) for v in per_seed.mean(axis=0)]
+        out[stat] = mean
+        out[f"{prefix}slope"] = slope(widths, mean)
+        out[f"{prefix}slope_interval"] = slope_interval(widths, per_seed)
+    return out
 
 
 def verdict(result: dict) -> dict:

@@ -60,14 +60,15 @@ def _no_padding_where_shapes_match(sharded: dict, stored: dict) -> None:
     embedding and output layer, and their optimizer states) before reading it, so that rows the
     checkpoint lacks stay zero; where the stored shape is the same, the read overwrites all of it
     (at 124M, 0.46 GB zeroed for nothing). Those tensors then load as every other does, and a
-    stored shape that differs keeps megatron's padding. `stored`: the checkpoint's tensors by key,
-    as dist_checkpointing.load_tensors_metadata gives them."""
+    stored shape that differs keeps megatron's padding. `stored`: what the checkpoint stores by key
+    (torch.distributed.checkpoint's metadata: a tensor's has its global size)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     for tensor in nested_values(sharded):
-        if isinstance(tensor, ShardedTensor) and tensor.allow_shape_mismatch and tensor.key in stored:
-            tensor.allow_shape_mismatch = tuple(stored[tensor.key].global_shape) != tuple(tensor.global_shape)
+        size = getattr(stored.get(getattr(tensor, "key", None)), "size", None)
+        if isinstance(tensor, ShardedTensor) and tensor.allow_shape_mismatch and size is not None:
+            tensor.allow_shape_mismatch = tuple(size) != tuple(tensor.global_shape)
 
 
 @contextlib.contextmanager
@@ -282,11 +283,14 @@ class MegatronEngine:
     def load(self, ckpt_dir: Path) -> None:
         self._materialize_adam_state()
         # Read into the optimizer's own tensors, each stored tensor straight into place rather than
-        # torch.loaded and copied (compat.megatron; docs/performance.md).
+        # torch.loaded and copied, without resharding plans where the layout is the checkpoint's
+        # (compat.megatron; docs/performance.md).
+        stored = megatron_compat.checkpoint_metadata(ckpt_dir)
+        same_layout = megatron_compat.same_layout_strategy(self.device.torch_device, stored)
         with megatron_compat.in_place_optimizer_state(self.optimizer), megatron_compat.direct_tensor_reads():
             sharded = self._sharded_state(is_loading=True)
-            _no_padding_where_shapes_match(sharded, dist_checkpointing.load_tensors_metadata(str(ckpt_dir)))
-            state = dist_checkpointing.load(sharded, str(ckpt_dir))
+            _no_padding_where_shapes_match(sharded, stored.state_dict_metadata)
+            state = dist_checkpointing.load(sharded, str(ckpt_dir), sharded_strategy=same_layout)
             self.model.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         self._unshare_adam_steps()

@@ -7,8 +7,8 @@ against megatron's own. Usage:
   megatron_load.py compare OUT --dir CKPT [overrides...]  load CKPT/ours both ways into a trained engine
 Rank 0 writes to OUT, as JSON, the names of the tensors whose bits differ between the saves (and
 the processes each forked) or
-the two loads, how many stored items each load read through torch's own reader, and how many
-parameters each rank holds only part of."""
+the two loads, how many stored items each load read through torch's own reader, how many loads
+went through megatron's planning strategy, and how many parameters each rank holds only part of."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
     CachedMetadataFileSystemReader,
 )
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 from nlq_scale.compat import megatron as megatron_compat
 from tests.scripts.deepspeed_engine import batches, config, megatron_engine, train
@@ -61,18 +62,37 @@ def torch_reads(counts: list[int]):
 
 
 @contextlib.contextmanager
-def megatrons_own_way():
-    """The engine's save and load with compat's in-place paths and in-process writer switched off:
-    megatron's and torch's own (the writer forked per bucket)."""
-    saved = megatron_compat.in_place_optimizer_state, megatron_compat.direct_tensor_reads, megatron_compat.in_process_writes
-    megatron_compat.in_place_optimizer_state = lambda optimizer: contextlib.nullcontext()
-    megatron_compat.direct_tensor_reads = contextlib.nullcontext
-    megatron_compat.in_process_writes = contextlib.nullcontext
+def planned_loads(counts: list[int]):
+    """Count the loads through megatron's torch_dist strategy, which plans with
+    torch.distributed.checkpoint (and reshards); the same-layout path calls it only to fall back."""
+    original = TorchDistLoadShardedStrategy.load
+
+    def load(self, *args):
+        counts.append(1)
+        return original(self, *args)
+
+    TorchDistLoadShardedStrategy.load = load
     try:
         yield
     finally:
-        (megatron_compat.in_place_optimizer_state, megatron_compat.direct_tensor_reads,
-         megatron_compat.in_process_writes) = saved
+        TorchDistLoadShardedStrategy.load = original
+
+
+@contextlib.contextmanager
+def megatrons_own_way():
+    """The engine's save and load with compat's in-place paths and in-process writer switched off:
+    megatron's and torch's own (the writer forked per bucket)."""
+    names = ("in_place_optimizer_state", "direct_tensor_reads", "in_process_writes", "same_layout_strategy")
+    saved = [getattr(megatron_compat, name) for name in names]
+    megatron_compat.in_place_optimizer_state = lambda optimizer: contextlib.nullcontext()
+    megatron_compat.direct_tensor_reads = contextlib.nullcontext
+    megatron_compat.in_process_writes = contextlib.nullcontext
+    megatron_compat.same_layout_strategy = lambda device, metadata: None  # megatron's default load strategy
+    try:
+        yield
+    finally:
+        for name, original in zip(names, saved, strict=True):
+            setattr(megatron_compat, name, original)
 
 
 def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -134,11 +154,11 @@ def compare(cfg, ckpt: Path) -> dict:
     """Each load goes into an engine trained on other data first, so nothing it leaves unread can
     pass for loaded."""
     engine = megatron_engine(cfg)
-    loaded, counts = {}, {}
+    loaded, counts, planned = {}, {}, {}
     for way, switch in (("megatron", megatrons_own_way), ("in_place", contextlib.nullcontext)):
         train(engine, cfg, batches(cfg, 2, seed=7 if way == "megatron" else 8), 0)
-        counts[way] = []
-        with switch(), torch_reads(counts[way]):
+        counts[way], planned[way] = [], []
+        with switch(), torch_reads(counts[way]), planned_loads(planned[way]):
             engine.load(ckpt / "ours")
         loaded[way] = state(engine)
     a, b = loaded["megatron"], loaded["in_place"]
@@ -150,7 +170,8 @@ def compare(cfg, ckpt: Path) -> dict:
         for opt in megatron_compat.distributed_optimizers(engine.optimizer)
         for _, param, part in megatron_compat._owned_params(opt)
     )  # parameters this rank holds part of (the others' parts are assembled for a save)
-    torch.distributed.all_gather_object(gathered, {"differ": differ, "keys": len(a), "torch_reads": reads, "split": split})
+    torch.distributed.all_gather_object(gathered, {"differ": differ, "keys": len(a), "torch_reads": reads, "split": split,
+                                                 "planned": {way: len(p) for way, p in planned.items()}})
     return {"ranks": gathered}
 
 
