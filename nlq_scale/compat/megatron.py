@@ -507,15 +507,22 @@ class _Window(io.RawIOBase):
         return got
 
 
+def _staged(target: Any) -> bool:
+    """Whether a direct read goes through host memory: a device target's (a CPU one takes the bytes
+    itself)."""
+    return target.device.type != "cpu"
+
+
 def _direct_reader_class() -> type:
     """dist_checkpointing's cached-metadata reader, reading a whole stored tensor straight into the
     tensor it is loaded into. torch.distributed.checkpoint's FileSystemReader torch.loads each stored
     tensor into new memory and then copies it into place; here only the item's header is read
     (`compat.torch.stored_tensor`: dtype, shape, strides, byte order and where the storage's bytes
     start), and when the item is one contiguous little-endian tensor of the target's dtype and shape
-    that the target takes whole, its bytes are read into the target. Anything else — transformed
-    (compressed) items, partial reads (resharding), strided or other-dtype targets, tensor
-    subclasses, big-endian files or hosts — goes through torch's own read_data."""
+    that the target takes whole, its bytes are read into the target (a device target: into host
+    memory reused from item to item, then copied). Anything else — transformed (compressed) items,
+    partial reads (resharding), strided or other-dtype targets, tensor subclasses, big-endian files
+    or hosts — goes through torch's own read_data."""
     import dataclasses
 
     import torch
@@ -536,6 +543,16 @@ def _direct_reader_class() -> type:
                 raise EOFError(f"{relative_path}: truncated tensor at byte {offset + done}")
             done += n
 
+    def staged_read(stream: Any, offset: int, target: torch.Tensor, relative_path: str, staging: list) -> None:
+        """Into host memory kept for the next item (grown where too small), then a blocking copy
+        into `target`: the buffer is free again when it returns."""
+        nbytes = target.numel() * target.element_size()
+        if staging[0].numel() < nbytes:
+            staging[0] = torch.empty(nbytes, dtype=torch.uint8)
+        host = staging[0][:nbytes]
+        read_exactly(stream, offset, host, relative_path)
+        target.copy_(host.view(target.dtype).view(target.shape))
+
     class DirectTensorReader(CachedMetadataFileSystemReader):
         def _direct(self, stream: Any, req: Any, planner: Any) -> tuple[torch.Tensor, int] | None:
             """The tensor `req` reads into and where in the file its bytes start, when the read can
@@ -544,7 +561,7 @@ def _direct_reader_class() -> type:
             if req.type != LoadItemType.TENSOR or item_md.transform_descriptors or any(req.storage_offsets):
                 return None
             target = planner.resolve_tensor(req).detach()
-            if type(target) is not torch.Tensor or target.device.type != "cpu" or not target.is_contiguous():
+            if type(target) is not torch.Tensor or not target.is_contiguous():
                 return None
             stored = stored_tensor(_Window(stream, item_md.offset, item_md.length))
             if stored is None or not stored.little_endian or not stored.is_whole_contiguous():
@@ -559,7 +576,7 @@ def _direct_reader_class() -> type:
             per_file: dict[str, list] = {}
             for req in plan.items:
                 per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-            rest = []
+            rest, staging = [], [torch.empty(0, dtype=torch.uint8)]
             for relative_path, reqs in per_file.items():
                 with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
                     for req in reqs:
@@ -567,8 +584,12 @@ def _direct_reader_class() -> type:
                         if direct is None:
                             rest.append(req)
                             continue
-                        read_exactly(stream, direct[1], direct[0], relative_path)
-                        planner.commit_tensor(req, direct[0])
+                        target, offset = direct
+                        if _staged(target):
+                            staged_read(stream, offset, target, relative_path, staging)
+                        else:
+                            read_exactly(stream, offset, target, relative_path)
+                        planner.commit_tensor(req, target)
             return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
     return DirectTensorReader
@@ -660,7 +681,7 @@ def _same_layout_object(plan: _SameLayoutPlan, sh: Any, metadata: Any) -> bool:
 
 def _same_layout_plan(sharded_state_dict: dict, metadata: Any) -> _SameLayoutPlan | None:
     """The reads of a load whose layout is the checkpoint's, or None where any tensor must be
-    resharded (another TP/PP/DP split, a padded vocabulary, DP-split flat ranges) or anything else
+    resharded (another TP/PP/EP split, a padded vocabulary, DP-split flat ranges) or anything else
     is not one stored item of its own."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
