@@ -8,6 +8,7 @@ import io
 import json
 import sys
 import zipfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -193,19 +194,13 @@ def test_a_load_zeroes_no_padding_where_the_stored_shape_is_the_same():
 
 
 @pytest.fixture
-def planned_loads(monkeypatch) -> list[int]:
-    """Loads that went through megatron's torch_dist strategy, which plans (and reshards) through
-    torch.distributed.checkpoint; the same-layout path calls it only to fall back."""
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+def planned_loads() -> Iterator[list[int]]:
+    """Loads that went through megatron's torch_dist strategy (the rank script's count)."""
+    from tests.scripts.megatron_load import planned_loads as counted
 
-    original, calls = TorchDistLoadShardedStrategy.load, []
-
-    def load(self, *args):
-        calls.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(TorchDistLoadShardedStrategy, "load", load)
-    return calls
+    calls: list[int] = []
+    with counted(calls):
+        yield calls
 
 
 def saved_engine(tmp_path, overrides: list[str]):

@@ -650,8 +650,7 @@ def _same_layout_tensor(plan: _SameLayoutPlan, sh: Any, metadata: Any) -> bool:
     offset = torch.Size(sh.global_offset)
     sizes = torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
     index = MetadataIndex(sh.key, offset)
-    chunk_sizes = {tuple(c.offsets): c.sizes for c in stored.chunks}
-    if stored.size != torch.Size(sh.global_shape) or chunk_sizes.get(offset) != sizes:
+    if stored.size != torch.Size(sh.global_shape) or not any(c.offsets == offset and c.sizes == sizes for c in stored.chunks):
         return False
     if index not in metadata.storage_data or index in plan.targets:
         return False

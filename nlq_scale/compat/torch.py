@@ -199,7 +199,10 @@ def stored_tensor(item: Any) -> StoredTensor | None:
         return None
     if not all(type(n) is int for n in (numel, storage_offset, *shape, *stride)):
         return None
-    local, size, method = records.get(f"data/{key}", (0, -1, -1))
+    data = records.get(f"data/{key}")
+    if data is None:
+        return None
+    local, size, method = data
     if method != zipfile.ZIP_STORED or size != numel * dtype.itemsize:
         return None
     data_offset = _record_start(item, head, local)

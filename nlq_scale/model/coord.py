@@ -54,8 +54,8 @@ class Curves:
     """Per module role: mean |activation| after training and mean |change since init|, per width
     and seed."""
 
-    activation: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    update: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    activation: dict[str, list[list[float]]] = field(default_factory=lambda: defaultdict(list))
+    update: dict[str, list[list[float]]] = field(default_factory=lambda: defaultdict(list))
 
 
 def run_config(spec: CoordCheckSpec, parametrization: str, width: int, seed: int) -> RunConfig:

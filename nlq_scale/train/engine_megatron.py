@@ -66,8 +66,10 @@ def _no_padding_where_shapes_match(sharded: dict, stored: dict) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     for tensor in nested_values(sharded):
-        size = getattr(stored.get(getattr(tensor, "key", None)), "size", None)
-        if isinstance(tensor, ShardedTensor) and tensor.allow_shape_mismatch and size is not None:
+        if not (isinstance(tensor, ShardedTensor) and tensor.allow_shape_mismatch):
+            continue
+        size = getattr(stored.get(tensor.key), "size", None)  # None: not stored, or not a tensor
+        if size is not None:
             tensor.allow_shape_mismatch = tuple(size) != tuple(tensor.global_shape)
 
 
