@@ -7,6 +7,7 @@ saved at and at others); and read less through torch."""
 import io
 import json
 import sys
+import threading
 import zipfile
 from collections.abc import Iterator
 
@@ -265,3 +266,41 @@ def test_a_load_of_other_shapes_fails_as_megatrons_does(single_rank, tmp_path, p
     with pytest.raises(CheckpointException, match="Global shape mismatch"):
         wider.load(tmp_path / "ckpt")
     assert planned_loads == [1]
+
+
+def test_a_background_save_writes_the_state_it_was_started_at(single_rank, tmp_path, monkeypatch):
+    """Its write held back until a training step has changed every parameter and Adam moment in
+    place, a background save still writes what a synchronous save at its start wrote: whatever
+    shares memory with the state was copied at the start. The copies megatron made itself (of the
+    views it clones) are written as they are, not copied again."""
+    from nlq_scale.compat import megatron as megatron_compat
+    from nlq_scale.train import engine_megatron
+    from nlq_scale.train.writers import ThreadWriter
+    from tests.scripts import deepspeed_engine as s
+    from tests.scripts.megatron_load import bits, checkpoint_tensors
+
+    release, copied = threading.Event(), []
+
+    class HeldBack(ThreadWriter):
+        def __init__(self, write, results) -> None:
+            super().__init__(lambda: (release.wait(), write()), results)
+
+    def snapshot(tensor, live):
+        copy = original(tensor, live)
+        copied.append(copy is not tensor)
+        return copy
+
+    original = megatron_compat._snapshot
+    monkeypatch.setitem(engine_megatron.WRITERS, "thread", HeldBack)
+    monkeypatch.setattr(megatron_compat, "_snapshot", snapshot)
+    engine, _ = saved_engine(tmp_path, [])  # synchronously, into tmp_path/ckpt
+    (tmp_path / "background").mkdir()
+    engine.save(tmp_path / "background", background=True)
+    cfg = s.config([])
+    s.train(engine, cfg, s.batches(cfg, 1, seed=7), 2)
+    release.set()
+    assert engine.save_written(blocking=True)
+    want, got = checkpoint_tensors(tmp_path / "ckpt"), checkpoint_tensors(tmp_path / "background")
+    assert want.keys() == got.keys()
+    assert [k for k in want if not torch.equal(bits(want[k]), bits(got[k]))] == []
+    assert 0 < sum(copied) < len(copied)  # megatron's own clones (the model's views into its buffers) pass as they are

@@ -262,25 +262,46 @@ def _write_buckets_in_threads(
         global_results_queue.put(error)
 
 
-def staged_write(request: Any) -> tuple[Callable[[], None], Any] | None:
+def storages(sharded: dict) -> frozenset[int]:
+    """Where the tensors of a sharded state dict live (their storages' addresses): the memory the
+    steps after a background save may change in place."""
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    leaves = (getattr(leaf, "data", leaf) for leaf in nested_values(sharded))  # a ShardedTensor's, a factory's
+    return frozenset(t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def staged_write(request: Any, live: frozenset[int]) -> tuple[Callable[[], None], Any] | None:
     """The write of a background save (dist_checkpointing.save(..., async_sharded_save=True) made
     within `in_process_writes`) as a call a thread or a forked process makes while training goes on,
-    and the queue that call puts its results on (the save's finalization reads them there). Every
-    tensor it writes is copied to host memory now: on a GPU the device-to-host staging megatron's
-    preload does (asynchronous copies into pinned memory, then one synchronization), on the host a
-    snapshot of tensors the next steps change in place. None when this rank has nothing to write."""
+    and the queue that call puts its results on (the save's finalization reads them there). The
+    tensors it writes are copied to host memory now (`_snapshot`). `live`: `storages` of the state
+    dict saved. None when this rank has nothing to write."""
     import torch
 
     if request.async_fn is None:
         return None
     rank, buckets, results = request.async_fn_args
     staged = [
-        (path, key, (data, [(item, tensor.to("cpu", non_blocking=True, copy=True)) for item, tensor in tensors]))
+        (path, key, (data, [(item, _snapshot(tensor, live)) for item, tensor in tensors]))
         for path, key, (data, tensors) in buckets
     ]
     if any(tensor.is_cuda for _, _, (_, tensors) in buckets for _, tensor in tensors):
         torch.cuda.synchronize()
     return functools.partial(request.async_fn, rank, staged, results), results
+
+
+def _snapshot(tensor: Any, live: frozenset[int]) -> Any:
+    """A tensor a background write may write while the next steps train: on a GPU, megatron's
+    preload's device-to-host staging (asynchronous copies, then one synchronization); on the host,
+    a copy of what shares memory with the state (`live`), which the steps change in place. A host
+    tensor that shares none is a copy megatron already made (it clones a view of a larger buffer,
+    so that only the view's elements are written): a second copy would double the host time the
+    save's start blocks training."""
+    if tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() not in live:
+        return tensor
+    return tensor.to("cpu", non_blocking=True, copy=True)
 
 
 _STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # megatron's fully reshardable keys, per parameter

@@ -90,9 +90,9 @@ class _BackgroundSave:
     """A save's write while training goes on, by a thread or a forked process (`train/writers.py`,
     checkpoint.async_writer); its finalization stays megatron's, and collective."""
 
-    def __init__(self, request: AsyncRequest, device: Device, writer: str) -> None:
+    def __init__(self, request: AsyncRequest, device: Device, writer: str, live: frozenset[int]) -> None:
         self._finalize, self._device = request.finalize_fns, device
-        staged = megatron_compat.staged_write(request)  # tensors copied now: the writer writes a snapshot
+        staged = megatron_compat.staged_write(request, live)  # tensors copied now: the writer writes a snapshot
         self._writer = None if staged is None else WRITERS[writer](*staged)
 
     def _writing(self) -> bool:
@@ -229,11 +229,12 @@ class MegatronEngine:
         self._materialize_adam_state()  # a save before the first step would trip the same assert
         with megatron_compat.in_place_optimizer_state(self.optimizer):  # no full-model copies of the state
             state = self._sharded_state(is_loading=False)
+        live = megatron_compat.storages(state) if background else frozenset()  # before the save builds its factories
         with megatron_compat.in_process_writes():
             request = dist_checkpointing.save(state, str(ckpt_dir), async_sharded_save=background)
             if background:
                 writer = writer_kind(self.cfg.checkpoint.async_writer, self.device.is_cuda)
-                self._background = _BackgroundSave(request, self.device, writer)
+                self._background = _BackgroundSave(request, self.device, writer, live)
 
     def save_written(self, blocking: bool) -> bool:
         """Collective: whether the background save has been written by every rank and finalized
