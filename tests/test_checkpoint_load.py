@@ -268,39 +268,50 @@ def test_a_load_of_other_shapes_fails_as_megatrons_does(single_rank, tmp_path, p
     assert planned_loads == [1]
 
 
-def test_a_background_save_writes_the_state_it_was_started_at(single_rank, tmp_path, monkeypatch):
-    """Its write held back until a training step has changed every parameter and Adam moment in
-    place, a background save still writes what a synchronous save at its start wrote: whatever
-    shares memory with the state was copied at the start. The copies megatron made itself (of the
-    views it clones) are written as they are, not copied again."""
+def test_background_saves_write_the_state_they_were_started_at(single_rank, tmp_path, monkeypatch):
+    """Two background saves, each with its write held back until a training step has changed the
+    parameters and Adam moments in place: each writes the bits a synchronous save at its start
+    wrote, since whatever shares memory with the state was copied at the start, into the same
+    host memory both times. The copies megatron made itself (of the views it clones) are written
+    as they are, not copied again."""
     from nlq_scale.compat import megatron as megatron_compat
     from nlq_scale.train import engine_megatron
     from nlq_scale.train.writers import ThreadWriter
     from tests.scripts import deepspeed_engine as s
     from tests.scripts.megatron_load import bits, checkpoint_tensors
 
-    release, copied = threading.Event(), []
+    release, snapshots = threading.Event(), []
 
     class HeldBack(ThreadWriter):
         def __init__(self, write, results) -> None:
             super().__init__(lambda: (release.wait(), write()), results)
 
-    def snapshot(tensor, live):
-        copy = original(tensor, live)
-        copied.append(copy is not tensor)
+    def snapshot(self, key, tensor, live):
+        copy = original(self, key, tensor, live)
+        snapshots[-1].append(None if copy is tensor else copy.data_ptr())
         return copy
 
-    original = megatron_compat._snapshot
+    original = megatron_compat.HostCopies.snapshot
     monkeypatch.setitem(engine_megatron.WRITERS, "thread", HeldBack)
-    monkeypatch.setattr(megatron_compat, "_snapshot", snapshot)
-    engine, _ = saved_engine(tmp_path, [])  # synchronously, into tmp_path/ckpt
-    (tmp_path / "background").mkdir()
-    engine.save(tmp_path / "background", background=True)
+    monkeypatch.setattr(megatron_compat.HostCopies, "snapshot", snapshot)
     cfg = s.config([])
-    s.train(engine, cfg, s.batches(cfg, 1, seed=7), 2)
-    release.set()
-    assert engine.save_written(blocking=True)
-    want, got = checkpoint_tensors(tmp_path / "ckpt"), checkpoint_tensors(tmp_path / "background")
-    assert want.keys() == got.keys()
-    assert [k for k in want if not torch.equal(bits(want[k]), bits(got[k]))] == []
-    assert 0 < sum(copied) < len(copied)  # megatron's own clones (the model's views into its buffers) pass as they are
+    engine, _ = saved_engine(tmp_path, [])  # trained two steps, saved synchronously into tmp_path/ckpt
+    for save in range(2):
+        want, got = tmp_path / f"ckpt{save or ''}", tmp_path / f"background{save}"
+        if save:
+            s.train(engine, cfg, s.batches(cfg, 1, seed=8), 3)
+            want.mkdir()
+            engine.save(want)
+        got.mkdir()
+        release.clear()
+        snapshots.append([])
+        engine.save(got, background=True)
+        s.train(engine, cfg, s.batches(cfg, 1, seed=7), 2 + 2 * save)
+        release.set()
+        assert engine.save_written(blocking=True)
+        want, got = checkpoint_tensors(want), checkpoint_tensors(got)
+        assert want.keys() == got.keys()
+        assert [k for k in want if not torch.equal(bits(want[k]), bits(got[k]))] == []
+    copied = [[at for at in save if at is not None] for save in snapshots]
+    assert 0 < len(copied[0]) < len(snapshots[0])  # megatron's own clones (the model's views into its buffers) pass as they are
+    assert copied[0] == copied[1]  # into the same memory

@@ -272,19 +272,19 @@ def storages(sharded: dict) -> frozenset[int]:
     return frozenset(t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor))
 
 
-def staged_write(request: Any, live: frozenset[int]) -> tuple[Callable[[], None], Any] | None:
+def staged_write(request: Any, live: frozenset[int], copies: HostCopies) -> tuple[Callable[[], None], Any] | None:
     """The write of a background save (dist_checkpointing.save(..., async_sharded_save=True) made
     within `in_process_writes`) as a call a thread or a forked process makes while training goes on,
     and the queue that call puts its results on (the save's finalization reads them there). The
-    tensors it writes are copied to host memory now (`_snapshot`). `live`: `storages` of the state
-    dict saved. None when this rank has nothing to write."""
+    tensors it writes are copied to host memory now (`HostCopies.snapshot`). `live`: `storages` of
+    the state dict saved. None when this rank has nothing to write."""
     import torch
 
     if request.async_fn is None:
         return None
     rank, buckets, results = request.async_fn_args
     staged = [
-        (path, key, (data, [(item, _snapshot(tensor, live)) for item, tensor in tensors]))
+        (path, key, (data, [(item, copies.snapshot(item.index, tensor, live)) for item, tensor in tensors]))
         for path, key, (data, tensors) in buckets
     ]
     if any(tensor.is_cuda for _, _, (_, tensors) in buckets for _, tensor in tensors):
@@ -292,16 +292,33 @@ def staged_write(request: Any, live: frozenset[int]) -> tuple[Callable[[], None]
     return functools.partial(request.async_fn, rank, staged, results), results
 
 
-def _snapshot(tensor: Any, live: frozenset[int]) -> Any:
-    """A tensor a background write may write while the next steps train: on a GPU, megatron's
-    preload's device-to-host staging (asynchronous copies, then one synchronization); on the host,
-    a copy of what shares memory with the state (`live`), which the steps change in place. A host
-    tensor that shares none is a copy megatron already made (it clones a view of a larger buffer,
-    so that only the view's elements are written): a second copy would double the host time the
-    save's start blocks training."""
-    if tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() not in live:
-        return tensor
-    return tensor.to("cpu", non_blocking=True, copy=True)
+class HostCopies:
+    """The host memory background saves copy their tensors into, kept from one save to the next
+    (one save at a time: the train loop commits a save before it starts another). A copy into new
+    memory pays a page fault per 4 KB page; on a GPU the memory is pinned, so the device-to-host
+    copies run asynchronously at the link's speed (megatron's preload copies into new pageable
+    memory at every save). Costs one host copy of the state, for as long as the engine lives."""
+
+    def __init__(self) -> None:
+        self._memory: dict[Any, Any] = {}
+
+    def snapshot(self, key: Any, tensor: Any, live: frozenset[int]) -> Any:
+        """A tensor a background write may write while the next steps train: on a GPU, copied to
+        the host (asynchronously: the caller synchronizes); on the host, copied where it shares
+        memory with the state (`live`), which the steps change in place. A host tensor that shares
+        none is a copy megatron already made (it clones a view of a larger buffer, so that only the
+        view's elements are written): a second copy would double what the save's start costs."""
+        import torch
+
+        if tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() not in live:
+            return tensor
+        if not tensor.is_contiguous():  # its strides kept, as a synchronous save writes it
+            return tensor.to("cpu", non_blocking=True, copy=True)
+        memory = self._memory.get(key)
+        if memory is None or memory.shape != tensor.shape or memory.dtype != tensor.dtype:
+            memory = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self._memory[key] = memory
+        return memory.copy_(tensor, non_blocking=True)
 
 
 _STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # megatron's fully reshardable keys, per parameter

@@ -90,9 +90,9 @@ class _BackgroundSave:
     """A save's write while training goes on, by a thread or a forked process (`train/writers.py`,
     checkpoint.async_writer); its finalization stays megatron's, and collective."""
 
-    def __init__(self, request: AsyncRequest, device: Device, writer: str, live: frozenset[int]) -> None:
+    def __init__(self, request: AsyncRequest, staged: tuple | None, device: Device, writer: str) -> None:
+        """`staged`: `staged_write`'s call and results queue, None where this rank writes nothing."""
         self._finalize, self._device = request.finalize_fns, device
-        staged = megatron_compat.staged_write(request, live)  # tensors copied now: the writer writes a snapshot
         self._writer = None if staged is None else WRITERS[writer](*staged)
 
     def _writing(self) -> bool:
@@ -167,6 +167,7 @@ class MegatronEngine:
         self._skip_step_when_loading_param_state()
         self._schedule = get_forward_backward_func()
         self._background: _BackgroundSave | None = None
+        self._host_copies = megatron_compat.HostCopies()
         self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))
 
     def set_lr(self, lr: float) -> None:
@@ -226,6 +227,8 @@ class MegatronEngine:
     def save(self, ckpt_dir: Path, background: bool = False) -> None:
         """Collective. In the background, this call writes only the small common state and copies
         the tensors (`_BackgroundSave`); `save_written` tells when every rank's write ended."""
+        # One at a time: the next background save copies into the memory this one's writer reads.
+        assert self._background is None, "a background save is still being written"
         self._materialize_adam_state()  # a save before the first step would trip the same assert
         with megatron_compat.in_place_optimizer_state(self.optimizer):  # no full-model copies of the state
             state = self._sharded_state(is_loading=False)
@@ -234,7 +237,8 @@ class MegatronEngine:
             request = dist_checkpointing.save(state, str(ckpt_dir), async_sharded_save=background)
             if background:
                 writer = writer_kind(self.cfg.checkpoint.async_writer, self.device.is_cuda)
-                self._background = _BackgroundSave(request, self.device, writer, live)
+                staged = megatron_compat.staged_write(request, live, self._host_copies)  # the writer writes a snapshot
+                self._background = _BackgroundSave(request, staged, self.device, writer)
 
     def save_written(self, blocking: bool) -> bool:
         """Collective: whether the background save has been written by every rank and finalized
