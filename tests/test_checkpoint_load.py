@@ -225,7 +225,7 @@ def test_a_load_in_the_saved_layout_reads_every_tensor_without_planning(single_r
     copied), on CPU targets here, too."""
     from nlq_scale.compat import megatron as megatron_compat
     from tests.scripts import deepspeed_engine as s
-    from tests.scripts.megatron_load import bits, state
+    from tests.scripts.megatron_load import differing_bits, state
 
     monkeypatch.setattr(megatron_compat, "_staged", lambda target: staged)
 
@@ -237,7 +237,7 @@ def test_a_load_in_the_saved_layout_reads_every_tensor_without_planning(single_r
     loaded = state(engine)
     assert planned_loads == []
     assert loaded.keys() == expected.keys()
-    assert [k for k in expected if not torch.equal(bits(loaded[k]), bits(expected[k]))] == []
+    assert differing_bits(expected, loaded) == []
 
 
 def test_a_load_in_another_layout_goes_through_megatrons_resharding(single_rank, tmp_path, planned_loads):
@@ -278,7 +278,7 @@ def test_background_saves_write_the_state_they_were_started_at(single_rank, tmp_
     from nlq_scale.train import engine_megatron
     from nlq_scale.train.writers import ThreadWriter
     from tests.scripts import deepspeed_engine as s
-    from tests.scripts.megatron_load import bits, checkpoint_tensors
+    from tests.scripts.megatron_load import checkpoint_tensors, differing_bits
 
     release, snapshots = threading.Event(), []
 
@@ -311,7 +311,7 @@ def test_background_saves_write_the_state_they_were_started_at(single_rank, tmp_
         assert engine.save_written(blocking=True)
         want, got = checkpoint_tensors(want), checkpoint_tensors(got)
         assert want.keys() == got.keys()
-        assert [k for k in want if not torch.equal(bits(want[k]), bits(got[k]))] == []
+        assert differing_bits(want, got) == []
     copied = [[at for at in save if at is not None] for save in snapshots]
     assert 0 < len(copied[0]) < len(snapshots[0])  # megatron's own clones (the model's views into its buffers) pass as they are
     assert copied[0] == copied[1]  # into the same memory

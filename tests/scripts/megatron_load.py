@@ -45,6 +45,11 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def differing_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The keys of `a` whose tensor in `b` (which must hold every key of `a`) has other bits."""
+    return sorted(k for k in a if not torch.equal(bits(a[k]), bits(b[k])))
+
+
 @contextlib.contextmanager
 def torch_reads(counts: list[int]):
     """Count the stored items torch's reader reads (the direct reader hands it the rest)."""
@@ -145,7 +150,7 @@ def save(cfg, ckpt: Path) -> dict:
         b = checkpoint_tensors(ckpt / way)
         result[way] = {
             "not_in_both": sorted(a.keys() ^ b.keys()),
-            "differ": sorted(k for k in a.keys() & b.keys() if not torch.equal(bits(a[k]), bits(b[k]))),
+            "differ": differing_bits({k: a[k] for k in a.keys() & b.keys()}, b),
         }
     return result
 
@@ -162,7 +167,7 @@ def compare(cfg, ckpt: Path) -> dict:
             engine.load(ckpt / "ours")
         loaded[way] = state(engine)
     a, b = loaded["megatron"], loaded["in_place"]
-    differ = sorted(k for k in a if not torch.equal(bits(a[k]), bits(b[k])))
+    differ = differing_bits(a, b)
     reads = {way: sum(c) for way, c in counts.items()}
     gathered = [None] * torch.distributed.get_world_size()
     split = sum(
