@@ -1,7 +1,9 @@
 """Shared test helpers. Multi-process tests are marked `slow` (run in CI; skip locally with
 `make test-fast`). `make test` runs two pytest-xdist workers with `--dist loadfile` (a file's tests,
 and its module fixtures, stay on one worker); tests on the local SLURM cluster take a lock for their
-duration (tests/test_cluster_slurm.py: slurm_cluster), so that one test's jobs are never another's."""
+duration (tests/test_cluster_slurm.py: slurm_cluster), so that one test's jobs are never another's,
+and the files holding them go to one worker together (SLURM_FILES), which would otherwise wait idle
+for the other's."""
 
 from __future__ import annotations
 
@@ -27,6 +29,31 @@ TINY_MODEL = [
     "model.make_vocab_size_divisible_by=8",
     "model.bf16=false",  # the 124m scale trains in bf16; exactness tests compare in fp32
 ]
+
+
+SLURM_FILES = frozenset({"tests/test_cluster_reliability.py", "tests/test_cluster_slurm.py",
+                         "tests/test_data_parallel_prepare.py"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slurm") and item.nodeid.split("::")[0] not in SLURM_FILES:
+            raise pytest.UsageError(f"{item.nodeid}: a test on the SLURM cluster outside tests/conftest.py's SLURM_FILES")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """--dist loadfile, the SLURM files one unit. (xdist's loadgroup would do it by marks, but it
+    renames items through an attribute pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SlurmFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "slurm" if scope in SLURM_FILES else scope
+
+    return SlurmFilesTogether(config, log)
 
 
 @pytest.fixture(autouse=True)

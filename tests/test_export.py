@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -250,6 +251,21 @@ def val_loss_of_export(out: Path, run_dir: Path) -> float:
 ZERO3_TP2 = ["train.engine=deepspeed", "train.zero_stage=3", "parallel.tp=2"]
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, sample_dataset):
+    """Each multi-rank run trained once for the module (a test that alters one works on a copy)."""
+    runs: dict[tuple, Path] = {}
+
+    def run(nproc: int, arm: str, *extra: str) -> Path:
+        key = (nproc, arm, *extra)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("multi-rank") / "run"
+            train(runs[key], sample_dataset, nproc, "--arm", arm, *extra)
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, arm, extra",
@@ -267,11 +283,10 @@ ZERO3_TP2 = ["train.engine=deepspeed", "train.zero_stage=3", "parallel.tp=2"]
         "deepspeed-zero3-tp2", "deepspeed-zero3-tp2-dp2",
     ],
 )  # fmt: skip
-def test_multi_rank_checkpoints_export_to_the_loss_the_ranks_logged(sample_dataset, tmp_path, nproc, arm, extra):
+def test_multi_rank_checkpoints_export_to_the_loss_the_ranks_logged(trained, tmp_path, nproc, arm, extra):
     """The ranks' own validation loss at the saved step (their TP/PP/DP model, fp32) is what the
     export computes on the same sequences, and (at TP=2) its greedy tokens are `nlq-scale generate`'s."""
-    run_dir, out = tmp_path / "run", tmp_path / "hf"
-    train(run_dir, sample_dataset, nproc, "--arm", arm, *extra)
+    run_dir, out = trained(nproc, arm, *extra), tmp_path / "hf"
     r = nlq("export", str(run_dir), "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     logged = [m["val/loss"] for m in read_metrics(run_dir) if m.get("step") == 3 and "val/loss" in m][-1]
@@ -281,13 +296,13 @@ def test_multi_rank_checkpoints_export_to_the_loss_the_ranks_logged(sample_datas
 
 
 @pytest.mark.slow
-def test_a_zero3_shard_carrying_code_is_refused_naming_it(sample_dataset, tmp_path):
+def test_a_zero3_shard_carrying_code_is_refused_naming_it(trained, tmp_path):
     """DeepSpeed's converter reads the ZeRO shards itself and does not say which one it failed on:
     the export names it."""
     from tests.test_train_reliability import plant_in_torch_file, reseal
 
     run_dir, marker = tmp_path / "run", tmp_path / "payload-ran"
-    train(run_dir, sample_dataset, 2, "--arm", "nonlinear", *ZERO3_TP2)
+    shutil.copytree(trained(2, "nonlinear", *ZERO3_TP2), run_dir)
     ckpt = run_dir / "checkpoints" / "step_3"
     shard = ckpt / "deepspeed" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
     plant_in_torch_file(shard, marker)
