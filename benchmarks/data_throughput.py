@@ -84,7 +84,7 @@ def loader_rate(dataset: Path, tmp: Path, workers: int, seconds: float) -> float
 
 def memmap_rate(dataset: Path, work: Path, seconds: float) -> float:
     """All train tokens in one flat uint16 file, read nanoGPT's way (random offsets into a memmap)."""
-    from streaming import LocalDataset
+    from nlq_scale.compat.streaming import LocalDataset
 
     local = LocalDataset(local=str(dataset), split="train")
     flat = work / "train.bin"

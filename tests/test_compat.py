@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,21 @@ def test_grad_norm_fallback_on_the_device_matches_megatrons():
     theirs = torch.norm(torch.tensor([torch.norm(g) for g in grads]))  # the fallback's math, on the host
     assert ours.shape == (1,) and ours.dtype == torch.float32
     torch.testing.assert_close(ours[0], theirs, rtol=1e-6, atol=0)
+
+
+def test_streaming_is_imported_without_its_text_vision_and_multimodal_datasets():
+    """The project imports streaming through compat.streaming only, which skips the datasets the
+    package's __init__ imports (scikit-learn and torchvision behind them, seconds of a rank's start);
+    what that __init__ exports still imports from `streaming`."""
+    direct = [
+        f"{path.relative_to(REPO)}:{n}"
+        for path in sorted((REPO / "nlq_scale").rglob("*.py")) if "compat" not in path.parts
+        for n, line in enumerate(path.read_text().splitlines(), 1) if re.match(r"\s*(import|from) streaming\b", line)
+    ]  # fmt: skip
+    assert not direct, direct
+    code = ("import sys; from nlq_scale.compat.streaming import MDSWriter; import streaming; "
+            "assert streaming.MDSWriter is MDSWriter and streaming.__version__; "
+            "print([m for m in ('sklearn', 'torchvision', 'streaming.text', 'streaming.vision') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -1,22 +1,57 @@
-"""mosaicml-streaming internals: how its shared-memory segments and lock files are named, the
-dataset's private threads and segments, and the module globals patched so a rank builds its dataset
-without collectives (data/streamset.py and data/prepared.py go through here)."""
+"""mosaicml-streaming, imported without its text, vision and multimodal datasets; its internals: how
+its shared-memory segments and lock files are named, the dataset's private threads and segments, and
+the module globals patched so a rank builds its dataset without collectives. The project imports
+streaming through here only (its dataset, writer and readers are re-exported)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
+import sys
 import tempfile
 import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import streaming.base.dataset as _dataset
-import streaming.base.shared.prefix as _prefix
-from streaming.base.constant import BARRIER_FILELOCK, LOCALS, SHM_TO_CLEAN
-from streaming.base.shared.memory import SharedMemory
+# What streaming's package __init__ exports from streaming.base.
+EXPORTED = ("CSVWriter", "JSONWriter", "LocalDataset", "MDSWriter", "Stream", "StreamingDataLoader", "StreamingDataset",
+            "TSVWriter", "XSVWriter")  # fmt: skip
 
-from nlq_scale.compat import Private
+
+def _import_core_only() -> None:
+    """Make `streaming` the package without running its __init__, which also imports the text,
+    vision and multimodal datasets (transformers' tokenizers, scikit-learn, torchvision): 2.5-3.5 s
+    of every rank's start on a CPU, and on a cluster thousands of files per rank read from a shared
+    file system. The package gets what its __init__ exports; its subpackages still import on demand
+    (`import streaming.text`). A process that imported streaming already keeps it."""
+    if "streaming" in sys.modules:
+        return
+    spec = importlib.util.find_spec("streaming")
+    if spec is None:
+        raise ModuleNotFoundError("No module named 'streaming'", name="streaming")
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["streaming"] = package
+    try:
+        base = importlib.import_module("streaming.base")
+        package.__version__ = importlib.import_module("streaming._version").__version__
+    except BaseException:
+        del sys.modules["streaming"]
+        raise
+    for name in EXPORTED:
+        setattr(package, name, getattr(base, name))
+
+
+_import_core_only()
+
+import streaming.base.dataset as _dataset  # noqa: E402 - after the import above
+import streaming.base.shared.prefix as _prefix  # noqa: E402
+from streaming.base import LocalDataset, MDSWriter, Stream, StreamingDataset  # noqa: E402,F401 - re-exported
+from streaming.base.constant import BARRIER_FILELOCK, LOCALS, SHM_TO_CLEAN  # noqa: E402
+from streaming.base.shared.memory import SharedMemory  # noqa: E402
+
+from nlq_scale.compat import Private  # noqa: E402
 
 DISTRIBUTION = "mosaicml-streaming"
 WRITTEN_FOR = "==0.13.*"  # read against 0.13.0
@@ -26,6 +61,12 @@ LOCALS_SEGMENT = LOCALS  # the segment that registers a prefix: while it exists 
 
 _DATASET = "streaming.base.dataset:StreamingDataset"
 RELIES_ON = (
+    # _import_core_only: the package's __init__ imports the subpackages and exports EXPORTED, nothing more.
+    *(Private("streaming", f"import streaming.{name} as {name}", in_source=True)
+      for name in ("multimodal", "text", "vision")),
+    Private("streaming", "from streaming.base import (CSVWriter, JSONWriter, LocalDataset, MDSWriter, Stream,\n"
+                         "                            StreamingDataLoader, StreamingDataset, TSVWriter, XSVWriter)\n",
+            in_source=True),
     Private("streaming.base.shared.prefix", "_get_path", params=("prefix_int", "name")),
     Private("streaming.base.shared.prefix:_check_and_find", "gettempdir()", in_source=True),
     Private("streaming.base.shared.prefix", "dist"),

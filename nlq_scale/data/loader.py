@@ -10,7 +10,8 @@ after floor(epoch_size / G) full steps, so no step ever holds padding or a parti
 loader (not streaming) owns the position (epoch, step), which it hands to streaming each time it
 starts iterating, so resuming, also at another dp_size with the same global batch, is exact.
 
-`import streaming` takes seconds: it happens inside `make_train_loader` / `make_val_set` only.
+Importing streaming (nlq_scale.compat.streaming) takes about a second: it happens inside
+`make_train_loader` / `make_val_set` only.
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ def _val_rows(ds: PreparedDataset, count: int, field: str = "data.val_sequences"
     if count == 0:
         return []
     ensure_decompressed(ds, "val")
-    from streaming import LocalDataset
+    from nlq_scale.compat.streaming import LocalDataset
 
     local = LocalDataset(local=str(ds.path), split="val")
     shard_files = [s.raw for s in ds.shards("val")]

@@ -411,7 +411,7 @@ def counted(documents: Iterable[tuple[int, np.ndarray]], progress: bool) -> Iter
 
 
 def mds_writer(opts: PrepareOptions, out: Path):
-    from streaming import MDSWriter
+    from nlq_scale.compat.streaming import MDSWriter
 
     compression = None if opts.compression == "none" else opts.compression
     return MDSWriter(out=str(out), columns={"tokens": f"ndarray:uint16:{opts.window}"}, compression=compression,

@@ -35,9 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streaming import Stream, StreamingDataset
-
 from nlq_scale.compat import streaming as streaming_compat
+from nlq_scale.compat.streaming import Stream, StreamingDataset
 from nlq_scale.data.prepared import PreparedDataset, ShardFile, verify_shard
 from nlq_scale.runtime.environ import environment
 

@@ -34,7 +34,7 @@ def run_locally(opts: PrepareOptions, count: int, *, keep_parts: bool = False) -
     # fork: no thread runs here yet, and the parts start without importing anything again
     with ProcessPoolExecutor(max_workers=count, mp_context=get_context("fork")) as pool:
         running = [pool.submit(run_part, options, i, count, threads) for i in range(1, count + 1)]
-        import streaming  # noqa: F401  (seconds of imports, off the critical path)
+        import nlq_scale.compat.streaming  # noqa: F401  (a second of imports, off the critical path)
 
         for part in running:
             part.result()
