@@ -55,14 +55,19 @@ _PRIVATE_USE = re.compile(
 )
 
 
-def test_no_private_upstream_use_outside_compat():
-    offenders = [
+def lines_outside_compat(pattern: re.Pattern) -> list[str]:
+    """Where the package's code outside nlq_scale/compat matches `pattern` (comments skipped)."""
+    return [
         f"{path.relative_to(REPO)}:{n}: {line.strip()}"
         for path in sorted((REPO / "nlq_scale").rglob("*.py"))
         if "compat" not in path.parts
         for n, line in enumerate(path.read_text().splitlines(), 1)
-        if _PRIVATE_USE.search(line) and not line.lstrip().startswith("#")
+        if pattern.search(line) and not line.lstrip().startswith("#")
     ]
+
+
+def test_no_private_upstream_use_outside_compat():
+    offenders = lines_outside_compat(_PRIVATE_USE)
     assert not offenders, "\n".join(offenders)
 
 
@@ -89,12 +94,8 @@ def test_streaming_is_imported_without_its_text_vision_and_multimodal_datasets()
     """The project imports streaming through compat.streaming only, which skips the datasets the
     package's __init__ imports (scikit-learn and torchvision behind them, seconds of a rank's start);
     what that __init__ exports still imports from `streaming`."""
-    direct = [
-        f"{path.relative_to(REPO)}:{n}"
-        for path in sorted((REPO / "nlq_scale").rglob("*.py")) if "compat" not in path.parts
-        for n, line in enumerate(path.read_text().splitlines(), 1) if re.match(r"\s*(import|from) streaming\b", line)
-    ]  # fmt: skip
-    assert not direct, direct
+    direct = lines_outside_compat(re.compile(r"^\s*(import|from) streaming\b"))
+    assert not direct, "\n".join(direct)
     code = ("import sys; from nlq_scale.compat.streaming import MDSWriter; import streaming; "
             "assert streaming.MDSWriter is MDSWriter and streaming.__version__; "
             "print([m for m in ('sklearn', 'torchvision', 'streaming.text', 'streaming.vision') if m in sys.modules])")

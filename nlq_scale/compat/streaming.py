@@ -23,7 +23,7 @@ EXPORTED = ("CSVWriter", "JSONWriter", "LocalDataset", "MDSWriter", "Stream", "S
 def _import_core_only() -> None:
     """Make `streaming` the package without running its __init__, which also imports the text,
     vision and multimodal datasets (transformers' tokenizers, scikit-learn, torchvision): 2.5-3.5 s
-    of every rank's start on a CPU, and on a cluster thousands of files per rank read from a shared
+    of every rank's start on a CPU, and some 1,500 more modules per rank read from a cluster's shared
     file system. The package gets what its __init__ exports; its subpackages still import on demand
     (`import streaming.text`). A process that imported streaming already keeps it."""
     if "streaming" in sys.modules:
