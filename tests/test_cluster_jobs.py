@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from nlq_scale.cluster import executors
-from nlq_scale.cluster.job import ReceivedSignals, TrainJob, submitit_handles
+from nlq_scale.cluster.job import ReceivedSignals, submitit_handles
 from nlq_scale.cluster.plan import load_cluster, plan_sweep
 from nlq_scale.cluster.status import collect, format_table
 from nlq_scale.cluster.sweep import load_sweep
@@ -171,14 +171,6 @@ def test_job_rendezvous_port_is_shared_by_its_tasks_and_below_the_ephemeral_rang
     assert len(set(ports.values())) > 1800  # spread: concurrent jobs on one node rarely meet
 
 
-def test_train_job_pickles_config_not_objects(tmp_path):
-    cfg = RunConfig()
-    job = TrainJob(cfg.model_dump(mode="json"), str(tmp_path), toy_train)
-    clone = cloudpickle.loads(cloudpickle.dumps(job.checkpoint().function))
-    assert clone.config == job.config and clone.run_dir == str(tmp_path)
-    assert RunConfig.model_validate(clone.config) == cfg
-
-
 @pytest.mark.slow
 def test_local_executor_runs_completes_and_resubmit_is_a_no_op(tmp_path):
     runs = planned(tmp_path / "data")[:1]
@@ -193,6 +185,14 @@ def test_local_executor_runs_completes_and_resubmit_is_a_no_op(tmp_path):
     assert status["step"] == runs[0].cfg.train.steps
     job = json.loads((run_dir / "job.json").read_text())
     assert job["executor"] == "local" and job["job_id"] == records[0]["job_id"]
+    # What submitit pickled holds the config as plain data (the model is built inside the job) and
+    # its requeue checkpoint pickles the same.
+    (pickled,) = (root / "test-two-arm" / "_submitit").glob(f"*/{job['job_id']}_submitted.pkl")
+    submitted = cloudpickle.loads(pickled.read_bytes()).function
+    requeued = cloudpickle.loads(cloudpickle.dumps(submitted.checkpoint().function))
+    for fn in (submitted, requeued):
+        assert type(fn.config) is dict and fn.run_dir == str(run_dir)
+        assert RunConfig.model_validate(fn.config) == runs[0].cfg
     # both planned ranks (2 nodes x 1 task) ran as two local tasks and all-reduced over gloo
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert events[0]["world_size"] == 2

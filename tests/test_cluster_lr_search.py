@@ -14,6 +14,7 @@ import yaml
 
 from nlq_scale.cluster.lr_search import due_runs
 from nlq_scale.cluster.sweep import expand, load_sweep
+from nlq_scale.errors import UsageError
 from nlq_scale.train.rundir import read_config, read_metrics, write_metrics, write_status
 from tests.conftest import nlq
 
@@ -76,7 +77,7 @@ def test_targets_wait_for_every_proxy_and_an_interior_optimum(tmp_path):
 
 def test_a_proxy_search_needs_a_grid_and_a_width(tmp_path):
     sweep = load_sweep(lr_search_sweep(tmp_path, "/data", lrs=[0.001, 0.01]))
-    with pytest.raises(Exception, match="has 2 learning rate"):
+    with pytest.raises(UsageError, match="has 2 learning rate"):
         due_runs(sweep, expand(sweep), tmp_path)
     bad = lr_search_sweep(tmp_path, "/data")
     bad.write_text(bad.read_text().replace("width: 32", "width: null"))

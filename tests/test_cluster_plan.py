@@ -226,19 +226,22 @@ def test_planner_recomputes_the_query_mlp_before_halving_the_micro_batch():
     assert not plan_run(linear, cluster, run_id="y", scale="1.3b", arm="linear").layout.recompute_query
 
 
-def test_data_parallel_runs_get_the_largest_micro_batch_that_fits():
+@pytest.mark.parametrize("scale, whole_share_fits", [("124m", True), ("350m", False)])
+def test_data_parallel_runs_get_the_largest_micro_batch_that_fits(scale, whole_share_fits):
     """Under data parallelism alone the micro-batch grows from a DP rank's whole share of the global
-    batch down to the largest divisor that fits; with model parallelism it never exceeds the config's."""
+    batch down to the largest divisor that fits (124m's share fits on 80 GB, 350m's does not); with
+    model parallelism it never exceeds the config's."""
     cluster = load_cluster("example-8x80gb")
-    cfg = load_run_config("124m", "nonlinear")
+    cfg = load_run_config(scale, "nonlinear")
     share = cfg.train.global_batch_size // 8
-    run = plan_run(cfg, cluster, run_id="x", scale="124m", arm="nonlinear")
+    run = plan_run(cfg, cluster, run_id="x", scale=scale, arm="nonlinear")
     mbs = run.layout.micro_batch_size
     assert run.fits and run.layout.dp == 8 and share % mbs == 0 and mbs > cfg.train.micro_batch_size
     larger = [d for d in range(mbs + 1, share + 1) if share % d == 0]
+    assert (larger == []) == whole_share_fits, (mbs, share)
     for d in larger:  # every larger divisor of the share would not fit
-        over = load_run_config("124m", "nonlinear", None, [f"train.micro_batch_size={d}"])
-        assert not plan_run(over, cluster, run_id="x", scale="124m", arm="nonlinear", fixed_tp=1, fixed_pp=1,
+        over = load_run_config(scale, "nonlinear", None, [f"train.micro_batch_size={d}"])
+        assert not plan_run(over, cluster, run_id="x", scale=scale, arm="nonlinear", fixed_tp=1, fixed_pp=1,
                             fixed_micro_batch=True).fits  # fmt: skip
     big = load_run_config("13b", "linear")
     assert plan_run(big, cluster, run_id="y", scale="13b", arm="linear").layout.micro_batch_size <= big.train.micro_batch_size

@@ -320,9 +320,10 @@ def test_real_failing_run_shows_failed_and_is_never_evaluated(slurm_cluster, pre
     assert wait_done([run_dir], timeout=600)[run_dir] == "failed"
     (row,) = json.loads(nlq("status", str(root), "--json").stdout)["runs"]
     assert row["state"] == "failed" and row["error"], row
-    # slurmctld marks the dependency at its next scheduling pass; "": a cluster with kill_invalid_depend removed it.
+    # slurmctld marks the dependency at its next scheduling pass. The job stays queued: the local
+    # cluster does not set kill_invalid_depend, so "" (left the queue) would mean it ran.
     deadline, reason = time.time() + 60, "Dependency"
-    while reason not in ("DependencyNeverSatisfied", ""):
+    while reason != "DependencyNeverSatisfied":
         assert reason == "Dependency" and time.time() < deadline, reason
         time.sleep(1)
         reason = subprocess.run(["squeue", "-h", "-j", run["eval_job_id"], "-o", "%r"], capture_output=True,

@@ -73,7 +73,12 @@ def test_manifest_describes_inputs_tokens_and_shards(prepared, tmp_path):
 
 
 def test_val_split_is_by_document_hash(prepared):
-    val_docs = [d for d in DOCS if doc_key(d) < 0.1 * 2**64]
+    """The hash is part of the data's contract (docs/data.md): another one would move documents
+    between the splits of datasets prepared before and after."""
+    keys = [int.from_bytes(hashlib.blake2b(d.encode("utf-8"), digest_size=8).digest(), "big") for d in DOCS]
+    assert [doc_key(d) for d in DOCS] == keys
+    val_docs = [d for d, key in zip(DOCS, keys, strict=True) if key < 0.1 * 2**64]
+    assert 0 < len(val_docs) < len(DOCS)
     assert manifest(prepared["pile"])["splits"]["val"]["documents"] == len(val_docs)
 
 

@@ -38,6 +38,8 @@ def test_documents_end_with_eot_and_cannot_inject_it(tok):
 
 
 def test_no_tiktoken_cache_copies(tmp_path, monkeypatch):
+    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):  # where tiktoken would cache instead of TMPDIR
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
 

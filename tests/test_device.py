@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,9 @@ def test_training_paths_pass_the_device_check(sample_dataset, tmp_path, extra, n
         r = train(run_dir, sample_dataset, *extra, nproc=nproc)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert any(m.get("event") == "resume" for m in read_metrics(run_dir))
+    status = json.loads((run_dir / "status.json").read_text())  # trained to the end under the check
+    assert (status["state"], status["step"]) == ("completed", 4), status
+    assert [m["step"] for m in read_metrics(run_dir) if "val/loss" in m][-1] == 4
 
 
 # One bug each, as the code had it before the runtime owned the device: (file, fixed line, bug).

@@ -1,5 +1,5 @@
 """End to end, the quickstart's path on smaller settings: the sample corpus, a 3-scale x 2-arm sweep
-through the local executor, compare, a report with each arm's loss per scale and plots."""
+through the local executor, compare, a report with each arm's loss per scale (the runs' own) and plots."""
 
 import json
 
@@ -26,14 +26,18 @@ def test_quickstart_path_end_to_end(tmp_path):
     report = (report_dir / "report.md").read_text()
     summary = json.loads((report_dir / "summary.json").read_text())
     assert sorted(p.name for p in report_dir.glob("*.png"))  # the plots exist
-    for scale in ("cpu-xs", "cpu-s", "cpu-m"):
-        assert scale in report
-    assert "linear" in report and "nonlinear" in report
+    cells = {(c["scale"], c["arm"]): c for c in summary["cells"]}
+    assert set(cells) == {(s, a) for s in smoke["scales"] for a in smoke["arms"]}
+    for (scale, arm), cell in cells.items():  # one row per arm and scale, with its loss
+        assert cell["n_seeds"] == 1 and 0 < cell["mean"] < 10, cell
+        assert f"| {scale} | {arm} | {cell['best_lr']:.4g} | 1 | {cell['mean']:.4f} |" in report, (scale, arm)
 
     status = nlq("status", str(root / "smoke"), "--json")
     assert status.returncode == 0, status.stderr
-    states = [row["state"] for row in json.loads(status.stdout)["runs"]]
-    assert states == ["completed"] * 6
+    rows = json.loads(status.stdout)["runs"]
+    assert [row["state"] for row in rows] == ["completed"] * 6
+    # the report's losses are the runs' final validation losses
+    assert sorted(c["mean"] for c in cells.values()) == pytest.approx(sorted(row["val_loss"] for row in rows), rel=1e-9)
 
     again = nlq("quickstart", "--root", str(root), "--sweep", str(sweep), timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]

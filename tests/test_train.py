@@ -92,20 +92,18 @@ def test_named_validation_set_is_logged_beside_the_main_one(uninterrupted):
 
 
 @pytest.mark.slow
-def test_a_finished_run_leaves_no_node_scratch(uninterrupted):
-    """streaming's lock dirs live in node-local scratch private to the run: the last rank out removes it."""
+def test_sigkill_and_relaunch_is_bit_exact(uninterrupted, sample_dataset, tmp_path):
+    """...and streaming's lock dirs live in node-local scratch private to the run: a killed run leaves
+    it behind, the last rank out of a finished run removes it."""
     from nlq_scale.train.feed import job_tmp_dir
 
-    assert not job_tmp_dir(uninterrupted[1]).exists()
-
-
-@pytest.mark.slow
-def test_sigkill_and_relaunch_is_bit_exact(uninterrupted, sample_dataset, tmp_path):
     engine, uninterrupted = uninterrupted
     run_dir = tmp_path / "killed"
     args = train_args(run_dir, sample_dataset, "nonlinear", f"train.engine={engine}")
     kill_after_checkpoint(run_dir, args, 2, step=CHECKPOINT)
+    assert job_tmp_dir(run_dir).is_dir()
     out = run_to_end(args, 2)
+    assert not job_tmp_dir(run_dir).exists() and not job_tmp_dir(uninterrupted).exists()
     assert "resuming from" in out and f"step_{CHECKPOINT}" in out
     a, b = read_metrics(uninterrupted), read_metrics(run_dir)
     for key in ("train/loss", "val/loss", "data/hash"):
