@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 
@@ -55,6 +56,37 @@ def shell_blocks(path: Path) -> list[tuple[int, str]]:
 def test_every_fence_names_its_language():
     unlabelled = [f"{p.relative_to(REPO)}:{line}" for p in DOCS for line, lang, _ in fences(p) if not lang]
     assert not unlabelled, f"fence without a language (bash: run by this test; text: not a command): {unlabelled}"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> Iterator[str]:
+    """GitHub's heading ids: lower case, punctuation but - and _ dropped, spaces to -, repeats -1, -2."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+ (.+)$", FENCE.sub("", page.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        yield slug if n == 0 else f"{slug}-{n}"
+
+
+def test_links_between_pages_resolve():
+    """Every relative link of the README and docs/ names a file that exists, and its #anchor a heading
+    of that page."""
+    checked = anchored = 0
+    for page in DOCS:
+        for target in LINK.findall(FENCE.sub("", page.read_text())):
+            if re.match(r"[a-z]+:", target):  # http(s), mailto
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            assert dest.exists(), f"{page.name}: {target}"
+            if anchor and dest.suffix == ".md":
+                assert anchor in set(anchors(dest)), f"{page.name}: {target}"
+                anchored += 1
+            checked += 1
+    assert checked > 40 and anchored > 5, (checked, anchored)  # the pattern finds the links
 
 
 def test_documented_commands_use_known_programs():
