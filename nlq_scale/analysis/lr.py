@@ -42,9 +42,6 @@ class LrScaling:
     n_scales: int
     note: str
 
-    def predict(self, params: float) -> float | None:
-        return None if self.exponent is None else self.coefficient * params**self.exponent
-
 
 def parabola_vertex(log_lrs: np.ndarray, losses: np.ndarray) -> tuple[float, float] | None:
     """(log LR, loss) at the vertex of the least-squares parabola through the points around the

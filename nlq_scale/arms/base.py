@@ -218,12 +218,6 @@ class Arm(ABC):
         means the query rows of their fused c_attn."""
         return {}
 
-    def hidden_matrices(self, m: ModelConfig) -> list[str]:
-        return [w.reference for w in self.weight_names(m) if w.matrix]
-
-    def vectors(self, m: ModelConfig) -> list[str]:
-        return [w.reference for w in self.weight_names(m) if not w.matrix]
-
 
 def inverse_sqrt_head_dim(m: ModelConfig) -> float:
     return 1.0 / math.sqrt(m.head_dim)
