@@ -1,13 +1,14 @@
 """`nlq-scale eval`: the local lm-eval tasks are built deterministically from the sample text and load
 in lm-eval; eval on tiny trained runs (stock GPT-2 export and remote-code arm) records accuracies in
-eval.json per step, and lm-eval's last-word numbers equal ones computed from the harness's own
-logits; bad input is one line, exit 2."""
+eval.json per step, and lm-eval's last-word and cloze numbers equal ones computed from the harness's
+own logits; bad input is one line, exit 2."""
 
 from __future__ import annotations
 
 import json
 import math
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,9 @@ def test_eval_records_accuracies_per_step_for_stock_and_remote_code_arms(runs, s
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held.getsockname()[1])}  # fmt: skip
         limited = evaluated(runs["nonlinear"], "--tasks", "nlq_cloze", "--limit", "12", "--step", "3", env=launcher)
     assert limited["tasks"]["nlq_cloze"]["n"] == 12 and limited["arm"] == "nonlinear"
+    acc, acc_norm = harness_cloze(runs["nonlinear"], tasks.task_documents()["nlq_cloze"][:12])
+    cloze = limited["tasks"]["nlq_cloze"]["metrics"]
+    assert (cloze["acc"]["value"], cloze["acc_norm"]["value"]) == pytest.approx((acc, acc_norm), abs=1e-9)
     for entry in (full, limited):
         assert entry["step"] == 3 and entry["tokens"] > 0 and entry["device"] == "cpu"
         assert all(0.0 <= a <= 1.0 for a in accuracies(entry)) and len(accuracies(entry)) >= 2
@@ -93,25 +97,45 @@ def test_eval_records_accuracies_per_step_for_stock_and_remote_code_arms(runs, s
 
 
 def harness_lastword(run_dir: Path, docs: list[dict]) -> tuple[float, float]:
-    """(acc, perplexity) of the last-word task from the megatron model's logits, tokenized with the
-    harness's tokenizer and cut to the model's window as lm-eval cuts (the last seq_length + 1 tokens)."""
+    """(acc, perplexity) of the last-word task from the megatron model's own logits."""
+    loglik = harness_loglikelihood(run_dir)
+    results = [loglik(*doc["text"].rsplit(" ", 1)) for doc in docs]
+    acc = sum(greedy for _, greedy in results) / len(docs)
+    return acc, math.exp(-sum(ll for ll, _ in results) / len(docs))
+
+
+def harness_cloze(run_dir: Path, docs: list[dict]) -> tuple[float, float]:
+    """(acc, acc_norm) of the cloze task from the megatron model's own logits: the choice with the
+    highest log-likelihood, and per character of the choice (lm-eval's acc_norm)."""
+    loglik = harness_loglikelihood(run_dir)
+    acc = acc_norm = 0
+    for doc in docs:
+        lls = [loglik(doc["context"], choice)[0] for choice in doc["choices"]]
+        acc += max(range(len(lls)), key=lambda i: lls[i]) == doc["label"]
+        acc_norm += max(range(len(lls)), key=lambda i: lls[i] / len(doc["choices"][i])) == doc["label"]
+    return acc / len(docs), acc_norm / len(docs)
+
+
+def harness_loglikelihood(run_dir: Path) -> Callable[[str, str], tuple[float, bool]]:
+    """(log-likelihood, greedy) of " word" after a context from the megatron model's logits,
+    tokenized with the harness's tokenizer and cut to the model's window as lm-eval cuts (the last
+    seq_length + 1 tokens)."""
     from nlq_scale.data.tokenizer import gpt2_tokenizer
     from nlq_scale.export.checkpoint import find_checkpoint, load_harness_model
 
     ckpt = find_checkpoint(run_dir, None)
     model, window = load_harness_model(ckpt), ckpt.cfg.model.seq_length
     encode = gpt2_tokenizer().encoding.encode
-    greedy, logliks = [], []
-    for doc in docs:
-        context, word = doc["text"].rsplit(" ", 1)
+
+    def loglik(context: str, word: str) -> tuple[float, bool]:
         ctx = encode(context)
         target = encode(f"{context} {word}")[len(ctx):]
         tokens = torch.tensor((ctx + target)[-(window + 1):][:-1])[None]
         with torch.no_grad():
             logp = model(tokens, torch.arange(tokens.shape[1])[None], None).float().log_softmax(-1)[0, -len(target):]
-        greedy.append(logp.argmax(-1).tolist() == target)
-        logliks.append(logp[torch.arange(len(target)), torch.tensor(target)].sum().item())
-    return sum(greedy) / len(docs), math.exp(-sum(logliks) / len(docs))
+        return logp[torch.arange(len(target)), torch.tensor(target)].sum().item(), logp.argmax(-1).tolist() == target
+
+    return loglik
 
 
 def test_bad_eval_input_exits_2_with_one_line(runs, tmp_path, capsys):
