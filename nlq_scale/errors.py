@@ -1,4 +1,11 @@
-"""Error types that map to the CLI's exit codes (2 = bad input, 1 = run-time failure)."""
+"""Error types that map to the CLI's exit codes (2 = bad input, 1 = run-time failure), and the check
+every command makes of where it will write."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
 
 
 class UsageError(Exception):
@@ -10,3 +17,20 @@ class UsageError(Exception):
 
 class RunFailure(Exception):
     """A failure at run time that is not the user's input. The CLI prints one line and exits 1."""
+
+
+def check_creatable(path: Path, flag: str) -> None:
+    """UsageError naming `flag` unless `path` exists or can be created, before any work is done: its
+    nearest existing ancestor must be a directory a file can be created in. Tried with a temporary file,
+    not read from permission bits, which root and read-only or virtual file systems make misleading."""
+    ancestor = Path(os.path.abspath(path))
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    where = ancestor if ancestor.is_dir() else ancestor.parent
+    if ancestor != Path(os.path.abspath(path)) and not ancestor.is_dir():
+        raise UsageError(f"{flag} {path}: {ancestor} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create files in {where} ({e.strerror})") from None

@@ -1,5 +1,6 @@
 """The command line explains itself: defaults in the help, an example per sweep/analysis command, and
-`--verbose` keeps the library warnings that are hidden by default."""
+`--verbose` keeps the library warnings that are hidden by default; a command refuses, in one line and
+before any work, a place it cannot write."""
 
 from __future__ import annotations
 
@@ -53,3 +54,34 @@ def test_an_unknown_sweep_lists_the_known_ones():
     r = nlq("plan", "no-such-sweep")
     assert r.returncode == 2
     assert "not found (known: ladder, lr-transfer-cpu, paper-124m, smoke" in r.stderr
+
+
+
+UNCREATABLE = "/proc/nlq-scale-out"  # procfs: no file can be created there, not even by root
+
+WRITERS = {  # command: its arguments, OUT where it writes
+    "train": ("train", "--scale", "cpu-xs", "--arm", "linear", "--run-dir", "OUT"),
+    "submit": ("submit", "configs/sweeps/lr-transfer-cpu.yaml", "--root", "OUT", "--executor", "local"),
+    "compare": ("compare", "runs", "--out", "OUT"),
+    "import-csv": ("import-csv", "log.csv", "--arm", "linear", "--scale", "124m", "--seed", "1", "--out", "OUT"),
+    "export": ("export", "runs/x", "--out", "OUT"),
+    "import-nanogpt": ("import-nanogpt", "ckpt.pt", "--out", "OUT"),
+    "prepare-data": ("prepare-data", "--sample", "--seq-len", "64", "--out", "OUT"),
+    "coord-check": ("coord-check", "--arm", "linear", "--png", "OUT/coord.png"),
+}
+
+
+@pytest.mark.parametrize("command", WRITERS)
+def test_a_place_that_cannot_be_written_is_refused_before_any_work(command, capsys, tmp_path, monkeypatch):
+    from tests.test_export import refused
+
+    monkeypatch.chdir(REPO)
+    args = WRITERS[command]
+    flag = args[[i for i, a in enumerate(args) if "OUT" in a][0] - 1]
+    err = refused(capsys, *[a.replace("OUT", UNCREATABLE) for a in args])
+    assert f"{flag} {UNCREATABLE}" in err and "cannot create files in /proc" in err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept")
+    err = refused(capsys, *[a.replace("OUT", str(a_file / "below")) for a in args])
+    assert f"{flag} {a_file}/below" in err and f"{a_file} is not a directory" in err
+    assert a_file.read_text() == "kept"

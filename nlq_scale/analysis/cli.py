@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nlq_scale.errors import RunFailure, UsageError
+from nlq_scale.errors import RunFailure, UsageError, check_creatable
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -82,6 +82,7 @@ def _import_csv(args: argparse.Namespace) -> int:
 
     for value, flag in ((args.lr, "--lr"), (args.params, "--params"), (args.tokens_per_step, "--tokens-per-step")):
         _positive(value, flag)
+    check_creatable(args.out, "--out")
     spec = ImportSpec(args.file, args.arm, args.scale, args.seed, args.out, args.lr, args.params, args.tokens_per_step)
     print(import_csv(spec))
     return 0
@@ -103,8 +104,9 @@ def _compare(args: argparse.Namespace) -> int:
         divergence_margin=args.divergence_margin,
         trend_axis=args.trend_axis,
     )
-    comp = compare(load_runs(args.roots, args.group), options)
     out = args.out or _default_out(args.roots[0])
+    check_creatable(out, "--out")
+    comp = compare(load_runs(args.roots, args.group), options)
     paths = write_report(comp, out)
     if args.wandb:
         from nlq_scale.analysis.report import log_to_wandb

@@ -157,9 +157,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     pass submits the targets once they ended; on SLURM a follow-up job after them does (lr_search)."""
     from nlq_scale.cli import emit_json
     from nlq_scale.cluster import lr_search
+    from nlq_scale.errors import check_creatable
 
     sweep, cluster = _load(args)
     root = Path(args.root or sweep.root or "runs").resolve()
+    if not args.dry_run:
+        check_creatable(root, "--root" if args.root else "root (the sweep's)")
     rows: list[dict] = []
     while True:
         waiting, records, done = _submit_due(args, sweep, cluster, root)

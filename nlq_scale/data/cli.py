@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from nlq_scale.errors import UsageError
+from nlq_scale.errors import UsageError, check_creatable
 
 SOURCES = ("openwebtext", "pile", "text", "jsonl")
 SAMPLE_VAL_FRACTION = 0.1  # the sample corpus is small: a tenth is still ~100k tokens
@@ -108,6 +108,7 @@ def _check_parallel(args: argparse.Namespace) -> None:
         return
     if args.out is None:
         raise UsageError("--out is required with --input or --sample")
+    check_creatable(args.out, "--out")
     if (args.parts is None) != (args.executor is None):
         raise UsageError("--parts N and --executor go together (run one part here with --part I/N)")
     if args.executor == "slurm" and args.cluster is None:

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from nlq_scale.errors import UsageError
+from nlq_scale.errors import UsageError, check_creatable
 
 FORMATS = ("hf",)
 
@@ -52,6 +52,7 @@ def run_export(args: argparse.Namespace) -> int:
     from nlq_scale.export.hf import export_checkpoint, stock_class
 
     _check_out(args.out)
+    check_creatable(args.out, "--out")
     ckpt = find_checkpoint(args.run_dir, args.step)
     # Written beside --out and renamed into place: a failed export leaves no half directory.
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +94,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_import(args: argparse.Namespace) -> int:
     from nlq_scale.export.nanogpt import import_checkpoint
 
+    check_creatable(args.out, "--out")
     ckpt = import_checkpoint(args.checkpoint, args.out, args.mode, args.heads)
     print(f"imported {args.checkpoint} -> {ckpt} (export it with: nlq-scale export {args.out} --out DIR)")
     return 0

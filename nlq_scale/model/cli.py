@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from nlq_scale.errors import check_creatable
 from nlq_scale.model.coord import HEAD_DIM, MUP_FLAT, STANDARD_STEEP, CoordCheckSpec
 
 PARAMETRIZATIONS = ("standard", "mup")
@@ -124,11 +126,12 @@ def run_coord_check(args: argparse.Namespace) -> int:
     from nlq_scale.runtime.dist import distributed
 
     load_run_config("cpu-xs", args.arm)  # an unknown arm fails here, in one line
+    png = args.png or f"coord-check-{args.arm}.png"
+    check_creatable(Path(png), "--png")
     spec = coord.CoordCheckSpec(arm=args.arm, parametrizations=args.parametrization, widths=args.widths,
                                 steps=args.steps, lr=args.lr, seeds=args.seeds)  # fmt: skip
     with distributed(ParallelConfig()):
         result = coord.check(spec)
-    png = args.png or f"coord-check-{args.arm}.png"
     coord.plot(result, png)
     result["png"] = str(png)
     if args.json:

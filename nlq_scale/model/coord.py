@@ -14,7 +14,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -240,7 +240,7 @@ def verdict(result: dict) -> dict:
     return out
 
 
-def plot(result: dict, path) -> None:
+def plot(result: dict, path: Path) -> None:
     """One panel per parametrization and statistic: mean |.| against width, a line per module."""
     import matplotlib
 
@@ -258,5 +258,6 @@ def plot(result: dict, path) -> None:
                    title=f"{result['arm']} {name}: {stat} after {result['steps']} steps")  # fmt: skip
     axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)

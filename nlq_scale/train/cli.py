@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nlq_scale.errors import UsageError
+from nlq_scale.errors import UsageError, check_creatable
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--scale needs --arm")
     if args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    check_creatable(args.run_dir, "--run-dir")
     cfg = load_run_config(scale=args.scale, arm=args.arm, config_path=args.config, overrides=args.overrides)
     # Under srun/torchrun this process is one rank of a larger world: check the layout against it.
     env = detect_env() if args.nproc == 1 else None
