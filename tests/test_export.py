@@ -348,3 +348,14 @@ def test_authors_checkpoint_of_an_unknown_mode_is_refused(tmp_path, capsys):
     assert "--mode" in refused(capsys, "import-nanogpt", str(ckpt), "--out", str(tmp_path / "run"), "--mode", "bogus")
     assert "query_mode" in refused(capsys, "import-nanogpt", str(ckpt), "--out", str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_file_that_is_not_a_torch_save_is_refused_in_one_line(tmp_path, capsys):
+    saved = tmp_path / "saved.pt"
+    torch.save({"model": {}}, saved)
+    files = {"text.pt": b"a: [1,\n", "empty.pt": b"", "cut.pt": saved.read_bytes()[:300]}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        err = refused(capsys, "import-nanogpt", str(tmp_path / name), "--out", str(tmp_path / "run"))
+        assert f"{tmp_path / name}: not a readable torch file" in err, err
+    assert not (tmp_path / "run").exists()

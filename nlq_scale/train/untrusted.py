@@ -62,8 +62,7 @@ def allowed_globals() -> list[Any]:
 def refusal(path: Path | str, err: BaseException) -> UsageError:
     """One line: the file, and what it tried to load."""
     detail = next((ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln or "global" in ln), None)
-    detail = detail or (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return UsageError(f"{path}: refused: not plain checkpoint data ({detail[:200]})")
+    return UsageError(f"{path}: refused: not plain checkpoint data ({(detail or _first_line(err))[:200]})")
 
 
 @contextlib.contextmanager
@@ -87,6 +86,14 @@ def load(path: Path) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise refusal(path, e) from None
+    # What the weights-only unpickler and torch's zip reader raise on a file that is not a torch save
+    # (a text file: IndexError from an empty stack; a cut zip: RuntimeError from the reader).
+    except (EOFError, IndexError, KeyError, RuntimeError, TypeError, ValueError) as e:
+        raise UsageError(f"{path}: not a readable torch file ({type(e).__name__}: {_first_line(e)[:200]})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or ["(no message)"])[0]
 
 
 class _Probe:
