@@ -120,6 +120,10 @@ def test_operational_changes_are_recorded_and_identity_changes_refused(tmp_path,
         assert "\n" not in str(err.value)
     assert (run_dir / "config.yaml").read_text() == before
     assert len((run_dir / "config-changes.jsonl").read_text().splitlines()) == 1
+    (run_dir / "config.yaml").write_text("model: [\n")  # a damaged run config: one line, left as it is
+    with pytest.raises(UsageError, match="config.yaml: line 2 malformed YAML") as err:
+        claim(run_dir, cfg())
+    assert "\n" not in str(err.value) and (run_dir / "config.yaml").read_text() == "model: [\n"
 
 
 def test_option_sections_of_arms_a_run_does_not_use_are_not_its_identity(tmp_path, sample_dataset):

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from nlq_scale.config.load import build_run_config, dump_run_config
+from nlq_scale.config.load import build_run_config, dump_run_config, read_yaml
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
 from nlq_scale.runtime.allocator import loaded_allocator
@@ -95,12 +95,7 @@ def read_config(run_dir: Path) -> RunConfig:
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise UsageError(f"{path}: missing; {run_dir} is not a run directory")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise UsageError(f"{path}: unreadable run config ({e})") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"{path}: expected a mapping")
+    raw = read_yaml(path)
     if isinstance(raw.get("model"), dict):
         # written before model.core_attention existed: megatron's own attention trained it, so a resume
         # that now runs SDPA records the change (config-changes.jsonl) instead of hiding it
