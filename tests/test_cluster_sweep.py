@@ -103,6 +103,8 @@ def test_data_paths_become_absolute_and_streams_are_allowed(tmp_path, monkeypatc
         ({"scales": ["9t"]}, "scales.0: unknown scale '9t'"),
         ({"lrs": [0.0]}, "lrs.0: Input should be greater than 0"),
         ({"arms": [{"name": "linear", "lrs": [-1.0]}]}, "arms.0.lrs.0: Input should be greater than 0"),
+        ({"lrs": []}, "lrs: List should have at least 1 item"),  # not each scale's own LR, silently
+        ({"arms": [{"name": "linear", "lrs": []}]}, "arms.0.lrs: List should have at least 1 item"),
         ({"overrides": {"train.lr": -1}}, "train.lr: Input should be greater than 0"),
         ({"overrides": {"train.nonsense": 1}}, "train.nonsense: unknown key"),
         ({"horizon": {"tokens": 10, "tokens_per_param": 20}}, "exactly one of horizon.tokens"),

@@ -69,7 +69,8 @@ def nest(mapping: dict[str, Any]) -> dict[str, Any]:
 
 class ArmSpec(Strict):
     name: str = Field(description="an arm in configs/arms (e.g. linear, nonlinear, linear-mlp4.75)")
-    lrs: list[PositiveFloat] | None = Field(None, description="this arm's learning-rate grid; default: the sweep's")
+    lrs: list[PositiveFloat] | None = Field(None, min_length=1,
+                                            description="this arm's learning-rate grid; default: the sweep's")
     overrides: dict[str, Any] = Field(default_factory=dict, description="config overrides for this arm's runs")
 
 
@@ -154,7 +155,7 @@ class SweepConfig(Strict):
     arms: list[ArmSpec] = Field(min_length=1)
     scales: list[str] = Field(min_length=1)
     seeds: list[int] = Field([1234], min_length=1)
-    lrs: list[PositiveFloat] | None = Field(None, description="learning-rate grid; None = each scale's train.lr")
+    lrs: list[PositiveFloat] | None = Field(None, min_length=1, description="learning-rate grid; None = each scale's train.lr")
     lr_search: LrSearch = LrSearch()
     data: DataSpec
     horizon: Horizon | None = Field(None, description="None = each scale's train.steps")
