@@ -229,6 +229,12 @@ def test_bad_export_input_exits_2_with_one_line_and_overwrites_nothing(tiny_run,
     assert [p.name for p in full.iterdir()] == ["keep.txt"] and (full / "keep.txt").read_text() == "mine"
     assert not (tmp_path / "a").exists()
     assert "exceed" in refused(capsys, "generate", str(tiny_run), "--prompt", "x", "--max-new-tokens", "500")
+    not_export = tmp_path / "not-an-export"
+    not_export.mkdir()
+    for config in ("{}", '{"model_type": "gpt2"}'):  # no known model type; then no weights or tokenizer
+        (not_export / "config.json").write_text(config)
+        err = refused(capsys, "generate", str(not_export), "--prompt", "x")
+        assert f"{not_export}: not a transformers export this can load" in err
 
 
 # ---------------------------------------------------------------- multi-process checkpoints

@@ -96,10 +96,7 @@ def from_run(run_dir: Path, step: int | None, prompt: str, max_new_tokens: int, 
 
 @torch.no_grad()
 def from_export(export_dir: Path, prompt: str, max_new_tokens: int, sampling: Sampling = GREEDY) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(export_dir)
-    model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True, torch_dtype=torch.float32).eval()
+    tokenizer, model = _load_export(export_dir)
     prompt_ids = tokenizer(prompt)["input_ids"]
     check_length(prompt_ids, max_new_tokens, model.config.max_position_embeddings)
     torch.manual_seed(sampling.seed)
@@ -112,3 +109,17 @@ def from_export(export_dir: Path, prompt: str, max_new_tokens: int, sampling: Sa
     )  # fmt: skip
     output_ids = out[0, len(prompt_ids) :].tolist()
     return {"prompt_ids": prompt_ids, "output_ids": output_ids, "text": tokenizer.decode(output_ids)}
+
+
+def _load_export(export_dir: Path):
+    """(tokenizer, model) of a transformers directory; a directory transformers cannot load (a
+    config.json of no known model type, missing weights or tokenizer files) is one line naming it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(export_dir)
+        model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True, torch_dtype=torch.float32)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        said = (str(e).strip().splitlines() or ["(no message)"])[0]
+        raise UsageError(f"{export_dir}: not a transformers export this can load ({said[:200]})") from None
+    return tokenizer, model.eval()
