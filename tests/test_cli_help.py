@@ -68,6 +68,8 @@ WRITERS = {  # command: its arguments, OUT where it writes
     "import-nanogpt": ("import-nanogpt", "ckpt.pt", "--out", "OUT"),
     "prepare-data": ("prepare-data", "--sample", "--seq-len", "64", "--out", "OUT"),
     "coord-check": ("coord-check", "--arm", "linear", "--png", "OUT/coord.png"),
+    "doctor": ("doctor", "--work-dir", "OUT"),
+    "quickstart": ("quickstart", "--root", "OUT"),
 }
 
 

@@ -8,7 +8,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from nlq_scale.errors import RunFailure
+from nlq_scale.errors import RunFailure, check_creatable
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.train:
         resolve_device(args.device, 0)  # CUDA asked for and missing: one line before any work
     if args.work_dir is not None:
+        check_creatable(args.work_dir, "--work-dir")
         args.work_dir.mkdir(parents=True, exist_ok=True)
         report = _doctor(args, args.work_dir)
     else:

@@ -38,7 +38,9 @@ def _call(argv: list[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nlq_scale.cluster.sweep import load_sweep, sweep_path
+    from nlq_scale.errors import check_creatable
 
+    check_creatable(args.root, "--root")
     root = args.root.resolve()
     data = root / "data" / f"sample-{SEQ_LENGTH}"
     _step(f"1/3 sample corpus -> {data}")
