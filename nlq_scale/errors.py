@@ -23,14 +23,20 @@ def check_creatable(path: Path, flag: str) -> None:
     """UsageError naming `flag` unless `path` exists or can be created, before any work is done: its
     nearest existing ancestor must be a directory a file can be created in. Tried with a temporary file,
     not read from permission bits, which root and read-only or virtual file systems make misleading."""
-    ancestor = Path(os.path.abspath(path))
+    target = ancestor = Path(os.path.abspath(path))
     while not ancestor.exists():
         ancestor = ancestor.parent
-    where = ancestor if ancestor.is_dir() else ancestor.parent
-    if ancestor != Path(os.path.abspath(path)) and not ancestor.is_dir():
+    if ancestor != target and not ancestor.is_dir():
         raise UsageError(f"{flag} {path}: {ancestor} is not a directory")
+    where = ancestor if ancestor.is_dir() else ancestor.parent  # an existing file: its folder
     try:
         with tempfile.TemporaryFile(dir=where):
             pass
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot create files in {where} ({e.strerror})") from None
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's first message line, or its type's name where it has none: for one-line errors."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__

@@ -12,7 +12,7 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from nlq_scale.errors import UsageError
+from nlq_scale.errors import UsageError, first_line
 from nlq_scale.evaluate.tasks import LOCAL_TASKS, REAL_TASKS, stage_local_tasks
 from nlq_scale.train import rundir
 
@@ -79,9 +79,8 @@ def load_tasks(names: list[str], include: Path) -> dict:
             loaded.update(manager.load([name])["tasks"])
         except Exception as e:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
             cache = os.environ.get("HF_DATASETS_CACHE", "~/.cache/huggingface/datasets")
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UsageError(f"--tasks {name}: its dataset is not in the local datasets cache ({cache}, offline): "
-                             f"{first[:200]} (see docs/evaluation.md)") from None  # fmt: skip
+                             f"{first_line(e)[:200]} (see docs/evaluation.md)") from None  # fmt: skip
     return loaded
 
 

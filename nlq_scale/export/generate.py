@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from nlq_scale.errors import UsageError
+from nlq_scale.errors import UsageError, first_line
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,5 @@ def _load_export(export_dir: Path):
         tokenizer = AutoTokenizer.from_pretrained(export_dir)
         model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True, torch_dtype=torch.float32)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        said = (str(e).strip().splitlines() or ["(no message)"])[0]
-        raise UsageError(f"{export_dir}: not a transformers export this can load ({said[:200]})") from None
+        raise UsageError(f"{export_dir}: not a transformers export this can load ({first_line(e)[:200]})") from None
     return tokenizer, model.eval()

@@ -25,7 +25,7 @@ import torch
 
 from nlq_scale.compat import deepspeed as deepspeed_compat
 from nlq_scale.compat import torch as torch_compat
-from nlq_scale.errors import RunFailure, UsageError
+from nlq_scale.errors import RunFailure, UsageError, first_line
 from nlq_scale.runtime.environ import environment
 
 # The classes each format pickles besides tensors: numpy's RNG state (rng/rank_<r>.pt), DeepSpeed's
@@ -62,7 +62,7 @@ def allowed_globals() -> list[Any]:
 def refusal(path: Path | str, err: BaseException) -> UsageError:
     """One line: the file, and what it tried to load."""
     detail = next((ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln or "global" in ln), None)
-    return UsageError(f"{path}: refused: not plain checkpoint data ({(detail or _first_line(err))[:200]})")
+    return UsageError(f"{path}: refused: not plain checkpoint data ({(detail or first_line(err))[:200]})")
 
 
 @contextlib.contextmanager
@@ -89,11 +89,7 @@ def load(path: Path) -> Any:
     # What the weights-only unpickler and torch's zip reader raise on a file that is not a torch save
     # (a text file: IndexError from an empty stack; a cut zip: RuntimeError from the reader).
     except (EOFError, IndexError, KeyError, RuntimeError, TypeError, ValueError) as e:
-        raise UsageError(f"{path}: not a readable torch file ({type(e).__name__}: {_first_line(e)[:200]})") from None
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or ["(no message)"])[0]
+        raise UsageError(f"{path}: not a readable torch file ({first_line(e)[:200]})") from None
 
 
 class _Probe:
