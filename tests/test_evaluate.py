@@ -34,15 +34,26 @@ def test_local_task_documents_are_deterministic_and_well_formed():
 
 
 def test_staged_tasks_load_in_lm_eval_with_every_document(tmp_path, monkeypatch):
-    from lm_eval.tasks import TaskManager
+    from nlq_scale.evaluate.run import task_manager
 
     monkeypatch.chdir(tmp_path.parent)  # data_files must not depend on the cwd
     info = tasks.stage_local_tasks(tmp_path / "tasks")
-    loaded = TaskManager(include_path=str(tmp_path / "tasks")).load(list(tasks.LOCAL_TASKS))["tasks"]
+    loaded = task_manager(list(tasks.LOCAL_TASKS), tmp_path / "tasks").load(list(tasks.LOCAL_TASKS))["tasks"]
     for name in tasks.LOCAL_TASKS:
         assert len(list(loaded[name].eval_docs)) == info[name]["documents"] == tasks.TASK_SIZE
     assert loaded["nlq_lastword"].doc_to_target(tasks.task_documents()["nlq_lastword"][0]).startswith(" ")
 
+
+
+def test_lm_evals_built_in_tasks_are_indexed_only_when_a_name_needs_them(tmp_path):
+    """Indexing lm-eval's own tasks reads thousands of YAML files: the local tasks alone skip it."""
+    from nlq_scale.evaluate.run import task_manager
+
+    tasks.stage_local_tasks(tmp_path)
+    local = task_manager(list(tasks.LOCAL_TASKS), tmp_path).all_tasks
+    assert set(tasks.LOCAL_TASKS) <= set(local) and "hellaswag" not in local
+    mixed = task_manager(["nlq_cloze", "hellaswag"], tmp_path).all_tasks
+    assert {"nlq_cloze", "hellaswag"} <= set(mixed)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, sample_dataset) -> dict[str, Path]:

@@ -54,10 +54,12 @@ def check_task_names(names: list[str], manager, field: str = "--tasks") -> None:
                              f"with a dataset cache: {', '.join(REAL_TASKS)}, ...)")  # fmt: skip
 
 
-def task_manager(include: Path):
+def task_manager(names: list[str], include: Path):
+    """lm-eval's task index over the staged local tasks, and over its own built-in tasks only when a
+    name is not a local one: indexing the built-ins reads thousands of YAML files (~10 s of CPU)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(include))
+    return TaskManager(include_path=str(include), include_defaults=not set(names) <= set(LOCAL_TASKS))
 
 
 def check_sweep_tasks(names: list[str]) -> None:
@@ -65,13 +67,12 @@ def check_sweep_tasks(names: list[str]) -> None:
     are not: the evaluation jobs read the compute nodes' cache)."""
     with tempfile.TemporaryDirectory(prefix="nlq-eval-") as tmp:
         stage_local_tasks(Path(tmp))
-        check_task_names(names, task_manager(Path(tmp)), "eval.tasks:")
+        check_task_names(names, task_manager(names, Path(tmp)), "eval.tasks:")
 
 
-def load_tasks(names: list[str], include: Path) -> dict:
+def load_tasks(names: list[str], manager) -> dict:
     """lm-eval Task objects by name, each loaded (its dataset read) here, so that an unknown name or
     a dataset missing from the cache is one line naming the task, not a traceback mid-run."""
-    manager = task_manager(include)
     check_task_names(names, manager)
     loaded = {}
     for name in names:
@@ -145,7 +146,8 @@ def evaluate(run_dir: Path, tasks: list[str], step: int | None = None, limit: in
     _serial_bootstrap()
     with tempfile.TemporaryDirectory(prefix="nlq-eval-") as tmp:
         local = stage_local_tasks(Path(tmp) / "tasks")
-        loaded = load_tasks(tasks, Path(tmp) / "tasks")
+        manager = task_manager(tasks, Path(tmp) / "tasks")
+        loaded = load_tasks(tasks, manager)
         export_checkpoint(ckpt, Path(tmp) / "export")
         remote_code = stock_class(ckpt.cfg.model) is None
         from lm_eval import simple_evaluate
@@ -154,8 +156,8 @@ def evaluate(run_dir: Path, tasks: list[str], step: int | None = None, limit: in
         # LOCAL_RANK) makes accelerate open a process group on a MASTER_PORT it does not own.
         with launch_env_restored(hidden=True):
             results = simple_evaluate(model=_model(Path(tmp) / "export", batch_size, remote_code, device),
-                                      tasks=list(loaded.values()), limit=limit, bootstrap_iters=BOOTSTRAP_ITERS,
-                                      log_samples=False)  # fmt: skip
+                                      tasks=list(loaded.values()), task_manager=manager, limit=limit,
+                                      bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False)  # fmt: skip
     entry = {
         "step": ckpt.step, "tokens": tokens_at(run_dir, ckpt.step), "arm": ckpt.cfg.model.arm,
         "lm_eval": metadata.version("lm_eval"), "device": device,
