@@ -21,6 +21,7 @@ import json
 import platform
 import sysconfig
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ MAX_DOC_CHARS = 16_000
 SKIP_PARTS = {"test", "tests", "testing", "idlelib", "lib2to3", "tkinter", "turtledemo", "site-packages",
               "dist-packages", "_vendor", "vendored"}
 DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+STATEMENT_NODES = (ast.stmt, ast.excepthandler, ast.match_case)
 
 
 def _pydoc_topics() -> Iterator[dict]:
@@ -40,6 +42,16 @@ def _pydoc_topics() -> Iterator[dict]:
         yield {"text": topics[name].strip() + "\n", "meta": {**meta, "topic": name}}
 
 
+def _statements(tree: ast.Module) -> Iterator[ast.AST]:
+    """ast.walk's breadth-first order, over the statements only (and the except/case clauses that
+    hold some): a docstring's owner is always a statement, and expressions are most of a tree."""
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        todo.extend(c for c in ast.iter_child_nodes(node) if isinstance(c, STATEMENT_NODES))
+        yield node
+
+
 def _docstrings(path: Path) -> list[str]:
     try:
         with warnings.catch_warnings():
@@ -48,7 +60,7 @@ def _docstrings(path: Path) -> list[str]:
     except (SyntaxError, ValueError):
         return []
     out = []
-    for node in ast.walk(tree):
+    for node in _statements(tree):
         if isinstance(node, DOC_NODES):
             doc = ast.get_docstring(node)
             if doc and doc.strip():
