@@ -16,8 +16,8 @@ import torch
 from nlq_scale.runtime.allocator import TCMALLOC
 from tests.conftest import REPO, SCRIPTS, last_by_step, nlq, read_metrics
 
-STEPS = 30
-CHECKPOINT = 15  # the step the kill tests wait for
+STEPS = 20
+CHECKPOINT = 10  # the step the kill tests wait for
 
 
 def train_args(run_dir: Path, data: Path, arm: str = "nonlinear", *extra: str) -> list[str]:
@@ -157,16 +157,14 @@ def test_saved_at_tp2_or_pp2_resumes_at_dp2_within_tolerance(uninterrupted, samp
     megatron-core 0.16.1 saved wrongly (compat.megatron.in_place_optimizer_state)."""
     engine, uninterrupted = uninterrupted
     for saved_at, own_init in SAVED_AT[engine]:
-        # A layout with its own init needs its own straight run: half as long, to keep CI's time down.
-        shorter = ["train.steps=20", "checkpoint.every=10"] if own_init else []
-        args = train_args(tmp_path / saved_at, sample_dataset, "nonlinear", f"train.engine={engine}", *shorter)
+        args = train_args(tmp_path / saved_at, sample_dataset, "nonlinear", f"train.engine={engine}")
         straight = uninterrupted
-        if own_init:
+        if own_init:  # a layout with its own init needs its own straight run
             straight = tmp_path / f"{saved_at}-straight"
-            run_to_end([*train_args(straight, sample_dataset, "nonlinear", f"train.engine={engine}", *shorter), saved_at], 2)
+            run_to_end([*train_args(straight, sample_dataset, "nonlinear", f"train.engine={engine}"), saved_at], 2)
         also = ALSO_AT.get((engine, saved_at), ())
         before = [saved_at, *also]
-        kill_after_checkpoint(tmp_path / saved_at, [*args, *before], 2, step=10 if own_init else CHECKPOINT)
+        kill_after_checkpoint(tmp_path / saved_at, [*args, *before], 2, step=CHECKPOINT)
         assert "resuming from" in run_to_end(args, 2)
         a, b = read_metrics(straight), read_metrics(tmp_path / saved_at)
         assert last_by_step(b, "data/hash") == last_by_step(a, "data/hash"), saved_at
