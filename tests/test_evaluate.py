@@ -44,7 +44,6 @@ def test_staged_tasks_load_in_lm_eval_with_every_document(tmp_path, monkeypatch)
     assert loaded["nlq_lastword"].doc_to_target(tasks.task_documents()["nlq_lastword"][0]).startswith(" ")
 
 
-
 def test_lm_evals_built_in_tasks_are_indexed_only_when_a_name_needs_them(tmp_path):
     """Indexing lm-eval's own tasks reads thousands of YAML files: the local tasks alone skip it."""
     from nlq_scale.evaluate.run import task_manager
@@ -54,6 +53,7 @@ def test_lm_evals_built_in_tasks_are_indexed_only_when_a_name_needs_them(tmp_pat
     assert set(tasks.LOCAL_TASKS) <= set(local) and "hellaswag" not in local
     mixed = task_manager(["nlq_cloze", "hellaswag"], tmp_path).all_tasks
     assert {"nlq_cloze", "hellaswag"} <= set(mixed)
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, sample_dataset) -> dict[str, Path]:
