@@ -152,11 +152,12 @@ def _pile_texts(paths: list[Path]) -> list[str]:
 
 
 class DocInputs:
-    """The inputs the docs name, made on first use (a doc that needs none starts at once): the raw corpus
-    in every distribution format the docs show, made from the bundled sample, and prepared datasets."""
+    """The inputs the docs name: the session's prepared sample, and, made on first use, the raw corpus in
+    every distribution format the docs show (from the bundled sample) and the other prepared datasets."""
 
-    def __init__(self, base: Path):
+    def __init__(self, base: Path, sample_64: Path):
         self.base = base
+        self.sample_64 = sample_64  # the session's prepared sample: conftest's sample_dataset
 
     @cached_property
     def texts(self) -> list[str]:
@@ -195,10 +196,6 @@ class DocInputs:
         return write_owt_tar(self.base / "openwebtext.tar.xz", self.texts)
 
     @cached_property
-    def sample_64(self) -> Path:
-        return self._prepare("sample-64", "--sample", "--seq-len", "64")
-
-    @cached_property
     def owt_1024(self) -> Path:
         """What docs/slurm.md calls data/owt-1024, with a validation split large enough for paper-124m's
         480 validation sequences."""
@@ -230,8 +227,8 @@ class DocInputs:
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> DocInputs:
-    return DocInputs(tmp_path_factory.mktemp("doc-inputs"))
+def inputs(tmp_path_factory, sample_dataset) -> DocInputs:
+    return DocInputs(tmp_path_factory.mktemp("doc-inputs"), sample_dataset)
 
 
 def _workdir(tmp: Path, inputs: DocInputs, doc_text: str) -> Path:

@@ -4,6 +4,7 @@ world size, identical streams across arms, truncated checkpoints, divergence, ba
 import ctypes.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,13 +160,15 @@ def test_saved_at_tp2_or_pp2_resumes_at_dp2_within_tolerance(uninterrupted, samp
     for saved_at, own_init in SAVED_AT[engine]:
         args = train_args(tmp_path / saved_at, sample_dataset, "nonlinear", f"train.engine={engine}")
         straight = uninterrupted
-        if own_init:  # a layout with its own init needs its own straight run
+        also = ALSO_AT.get((engine, saved_at), ())
+        if own_init:  # its own straight run, whose step-CHECKPOINT checkpoint is also the one resumed
             straight = tmp_path / f"{saved_at}-straight"
             run_to_end([*train_args(straight, sample_dataset, "nonlinear", f"train.engine={engine}"), saved_at], 2)
-        also = ALSO_AT.get((engine, saved_at), ())
-        before = [saved_at, *also]
-        kill_after_checkpoint(tmp_path / saved_at, [*args, *before], 2, step=CHECKPOINT)
-        assert "resuming from" in run_to_end(args, 2)
+            shutil.copytree(straight, tmp_path / saved_at)
+            shutil.rmtree(tmp_path / saved_at / "checkpoints" / f"step_{STEPS}")
+        else:
+            kill_after_checkpoint(tmp_path / saved_at, [*args, saved_at, *also], 2, step=CHECKPOINT)
+        assert f"step_{CHECKPOINT}" in run_to_end(args, 2).split("resuming from", 1)[1].splitlines()[0]
         a, b = read_metrics(straight), read_metrics(tmp_path / saved_at)
         assert last_by_step(b, "data/hash") == last_by_step(a, "data/hash"), saved_at
         want, got = last_by_step(a, "val/loss"), last_by_step(b, "val/loss")
