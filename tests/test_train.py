@@ -161,14 +161,16 @@ def test_saved_at_tp2_or_pp2_resumes_at_dp2_within_tolerance(uninterrupted, samp
         args = train_args(tmp_path / saved_at, sample_dataset, "nonlinear", f"train.engine={engine}")
         straight = uninterrupted
         also = ALSO_AT.get((engine, saved_at), ())
+        before = [saved_at, *also]
         if own_init:  # its own straight run, whose step-CHECKPOINT checkpoint is also the one resumed
             straight = tmp_path / f"{saved_at}-straight"
-            run_to_end([*train_args(straight, sample_dataset, "nonlinear", f"train.engine={engine}"), saved_at], 2)
+            run_to_end([*train_args(straight, sample_dataset, "nonlinear", f"train.engine={engine}"), *before], 2)
             shutil.copytree(straight, tmp_path / saved_at)
             shutil.rmtree(tmp_path / saved_at / "checkpoints" / f"step_{STEPS}")
         else:
-            kill_after_checkpoint(tmp_path / saved_at, [*args, saved_at, *also], 2, step=CHECKPOINT)
-        assert f"step_{CHECKPOINT}" in run_to_end(args, 2).split("resuming from", 1)[1].splitlines()[0]
+            kill_after_checkpoint(tmp_path / saved_at, [*args, *before], 2, step=CHECKPOINT)
+        out = run_to_end(args, 2)
+        assert "resuming from" in out and f"step_{CHECKPOINT}" in out.split("resuming from", 1)[1].splitlines()[0]
         a, b = read_metrics(straight), read_metrics(tmp_path / saved_at)
         assert last_by_step(b, "data/hash") == last_by_step(a, "data/hash"), saved_at
         want, got = last_by_step(a, "val/loss"), last_by_step(b, "val/loss")
