@@ -3,6 +3,11 @@
 The public API (docs/api.md): load_config, build_model, count_parameters. They are imported on
 first use, so `import nlq_scale` stays cheap."""
 
+from nlq_scale.compat.megatron_jit import defer_jit_fuser
+
+# before any module of the package imports megatron.core (compat/megatron_jit.py says why)
+defer_jit_fuser()
+
 __version__ = "0.1.0"
 __all__ = ["build_model", "count_parameters", "load_config"]
 

@@ -102,3 +102,24 @@ def test_streaming_is_imported_without_its_text_vision_and_multimodal_datasets()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_megatron_imports_without_dynamo_and_its_fused_functions_still_compile():
+    """compat.megatron_jit: after `import nlq_scale`, importing megatron's GPT leaves dynamo and
+    inductor out, and a fused function compiles on its first call, with eager's result."""
+    code = """
+import sys, torch
+import nlq_scale
+from megatron.core import jit
+from megatron.core.fusions.fused_bias_gelu import bias_gelu
+from megatron.core.models.gpt import GPTModel
+from nlq_scale.compat.megatron_jit import deferred_compile
+print(jit.jit_fuser is deferred_compile, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)
+x, b = torch.randn(4, 8), torch.randn(8)
+out = bias_gelu(b, x)
+print('torch._dynamo' in sys.modules, torch.allclose(out, bias_gelu.__wrapped__(b, x), rtol=1e-6, atol=1e-6))
+"""
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, cwd=REPO,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False", "False", "True", "True"]

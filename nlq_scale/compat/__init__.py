@@ -1,5 +1,5 @@
 """Every private upstream API the project touches, one module per library (megatron, streaming,
-deepspeed, submitit, torch, tiktoken). Each module states the versions it was written for (`WRITTEN_FOR`)
+deepspeed, submitit, torch, tiktoken; megatron's jit_fuser in a light module of its own). Each module states the versions it was written for (`WRITTEN_FOR`)
 and lists what it relies on (`RELIES_ON`); tests/test_compat.py checks both against the installed
 library, so an upstream change fails there, by name, instead of deep inside a run."""
 
@@ -8,12 +8,10 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
-from importlib.metadata import version
-
-from packaging.specifiers import SpecifierSet
 
 MODULES = (
     "nlq_scale.compat.megatron",
+    "nlq_scale.compat.megatron_jit",
     "nlq_scale.compat.streaming",
     "nlq_scale.compat.deepspeed",
     "nlq_scale.compat.submitit",
@@ -67,6 +65,12 @@ def _resolve(where: str) -> object:
 
 def version_problem(distribution: str, written_for: str) -> str | None:
     """None when the installed `distribution` is within `written_for` (a PEP 440 specifier)."""
+    # imported here: `import nlq_scale` loads the megatron compat module (megatron_jit), and the
+    # metadata and packaging imports are most of its cost
+    from importlib.metadata import version
+
+    from packaging.specifiers import SpecifierSet
+
     installed = version(distribution)
     if SpecifierSet(written_for).contains(installed, prereleases=True):
         return None
