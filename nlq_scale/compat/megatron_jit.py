@@ -1,12 +1,12 @@
 """megatron-core's `jit_fuser`, compiled on first call instead of at import.
 
-megatron.core.jit sets `jit_fuser = torch.compile` when it is imported, and megatron's fusion
-modules decorate their functions with it at import time, so `import megatron.core` imports dynamo
-and inductor (~2.5 s a process on a CPU core) even in a run that never calls a fused function (every
-CPU run: the fusions are off there). torch.compile compiles on first call anyway; `deferred_compile`
-only moves the torch.compile call itself there, so a run that calls a fused function compiles it as
-before. Kept apart from compat/megatron.py because `import nlq_scale` installs it: this module
-imports nothing heavy."""
+megatron.core.jit sets `jit_fuser = torch.compile` when it is imported, and megatron's fusion modules
+decorate their functions with it at import time, so `import megatron.core` imports dynamo and
+inductor (~2.5 s a process on a CPU core) even in a run that never calls a fused function (a CPU
+run: model/gpt.py turns the fusions off). torch.compile compiles on first call anyway;
+`deferred_compile` only moves the torch.compile call itself there, so a run that calls a fused
+function compiles it as before. Kept apart from compat/megatron.py because `import nlq_scale`
+installs it: this module imports nothing heavy."""
 
 from __future__ import annotations
 
