@@ -112,7 +112,7 @@ import sys, torch
 import nlq_scale
 from megatron.core import jit
 from megatron.core.fusions.fused_bias_gelu import bias_gelu
-from megatron.core.models.gpt import GPTModel
+import megatron.core.models.gpt
 from nlq_scale.compat.megatron_jit import deferred_compile
 print(jit.jit_fuser is deferred_compile, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)
 x, b = torch.randn(4, 8), torch.randn(8)

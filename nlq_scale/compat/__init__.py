@@ -1,7 +1,8 @@
 """Every private upstream API the project touches, one module per library (megatron, streaming,
-deepspeed, submitit, torch, tiktoken; megatron's jit_fuser in a light module of its own). Each module states the versions it was written for (`WRITTEN_FOR`)
-and lists what it relies on (`RELIES_ON`); tests/test_compat.py checks both against the installed
-library, so an upstream change fails there, by name, instead of deep inside a run."""
+deepspeed, submitit, torch, tiktoken; megatron's jit_fuser in a light module of its own). Each
+module states the versions it was written for (`WRITTEN_FOR`) and lists what it relies on
+(`RELIES_ON`); tests/test_compat.py checks both against the installed library, so an upstream change
+fails there, by name, instead of deep inside a run."""
 
 from __future__ import annotations
 

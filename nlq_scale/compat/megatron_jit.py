@@ -30,13 +30,13 @@ RELIES_ON = (
 
 def deferred_compile(fn: Callable) -> Callable:
     """torch.compile(fn), made when the result is first called."""
+    import torch  # imported already: megatron.core.jit imports it before decorating anything
+
     compiled = None
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
-        import torch
-
         if torch.compiler.is_compiling():  # inside a compiled caller: traced into, as dynamo does with a compiled fn
             return fn(*args, **kwargs)
         if compiled is None:
