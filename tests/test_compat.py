@@ -92,16 +92,19 @@ def test_grad_norm_fallback_on_the_device_matches_megatrons():
 
 def test_streaming_is_imported_without_its_text_vision_and_multimodal_datasets():
     """The project imports streaming through compat.streaming only, which skips the datasets the
-    package's __init__ imports (scikit-learn and torchvision behind them, seconds of a rank's start);
-    what that __init__ exports still imports from `streaming`."""
+    package's __init__ imports (scikit-learn and torchvision behind them, seconds of a rank's start)
+    and the data loader streaming.base's __init__ imports (transformers behind it); what those
+    __init__s export still imports from `streaming` and `streaming.base`, on first use."""
     direct = lines_outside_compat(re.compile(r"^\s*(import|from) streaming\b"))
     assert not direct, "\n".join(direct)
     code = ("import sys; from nlq_scale.compat.streaming import MDSWriter; import streaming; "
             "assert streaming.MDSWriter is MDSWriter and streaming.__version__; "
-            "print([m for m in ('sklearn', 'torchvision', 'streaming.text', 'streaming.vision') if m in sys.modules])")
+            "print([m for m in ('sklearn', 'torchvision', 'transformers', 'streaming.text', 'streaming.vision') "
+            "if m in sys.modules]); from streaming.base import StreamingDataLoader; "
+            "print(StreamingDataLoader is streaming.StreamingDataLoader, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.split("\n")[:2] == ["[]", "True True"], out.stdout
 
 
 def test_megatron_imports_without_dynamo_and_its_fused_functions_still_compile():

@@ -6,6 +6,7 @@ streaming through here only (its dataset, writer and readers are re-exported).""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import sys
@@ -15,32 +16,48 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# What streaming's package __init__ exports from streaming.base.
-EXPORTED = ("CSVWriter", "JSONWriter", "LocalDataset", "MDSWriter", "Stream", "StreamingDataLoader", "StreamingDataset",
-            "TSVWriter", "XSVWriter")  # fmt: skip
+# What the packages' __init__s export (streaming's re-exports streaming.base's), and the module of
+# streaming.base each comes from.
+EXPORTED = {"CSVWriter": "format", "JSONWriter": "format", "LocalDataset": "local", "MDSWriter": "format",
+            "Stream": "stream", "StreamingDataLoader": "dataloader", "StreamingDataset": "dataset",
+            "TSVWriter": "format", "XSVWriter": "format"}  # fmt: skip
+
+
+def _exported(package: str, name: str) -> Any:
+    """The packages' module __getattr__ (PEP 562): an exported name imports its module on first use."""
+    if name not in EXPORTED:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"streaming.base.{EXPORTED[name]}"), name)
+
+
+def _bare_package(name: str) -> types.ModuleType:
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    package = importlib.util.module_from_spec(spec)
+    package.__getattr__ = functools.partial(_exported, name)
+    sys.modules[name] = package
+    return package
 
 
 def _import_core_only() -> None:
-    """Make `streaming` the package without running its __init__, which also imports the text,
-    vision and multimodal datasets (transformers' tokenizers, scikit-learn, torchvision): 2.5-3.5 s
-    of every rank's start on a CPU, and some 1,500 more modules per rank read from a cluster's shared
-    file system. The package gets what its __init__ exports; its subpackages still import on demand
-    (`import streaming.text`). A process that imported streaming already keeps it."""
+    """Make `streaming` and `streaming.base` the packages without running their __init__s.
+    streaming's imports the text, vision and multimodal datasets (transformers' tokenizers,
+    scikit-learn, torchvision): 2.5-3.5 s of every rank's start on a CPU, and some 1,500 more modules
+    per rank read from a cluster's shared file system. streaming.base's imports its data loader,
+    which imports transformers for two type checks: ~1.7 s more, which no rank needs. What those
+    __init__s export imports on first use; subpackages import on demand (`import streaming.text`).
+    A process that imported streaming already keeps it."""
     if "streaming" in sys.modules:
         return
-    spec = importlib.util.find_spec("streaming")
-    if spec is None:
-        raise ModuleNotFoundError("No module named 'streaming'", name="streaming")
-    package = importlib.util.module_from_spec(spec)
-    sys.modules["streaming"] = package
+    package = _bare_package("streaming")
     try:
-        base = importlib.import_module("streaming.base")
+        package.base = _bare_package("streaming.base")
         package.__version__ = importlib.import_module("streaming._version").__version__
     except BaseException:
-        del sys.modules["streaming"]
+        for name in ("streaming", "streaming.base"):
+            sys.modules.pop(name, None)
         raise
-    for name in EXPORTED:
-        setattr(package, name, getattr(base, name))
 
 
 _import_core_only()
@@ -61,12 +78,15 @@ LOCALS_SEGMENT = LOCALS  # the segment that registers a prefix: while it exists 
 
 _DATASET = "streaming.base.dataset:StreamingDataset"
 RELIES_ON = (
-    # _import_core_only: the package's __init__ imports the subpackages and exports EXPORTED, nothing more.
+    # _import_core_only: streaming's __init__ imports the subpackages and exports EXPORTED, nothing more...
     *(Private("streaming", f"import streaming.{name} as {name}", in_source=True)
       for name in ("multimodal", "text", "vision")),
     Private("streaming", "from streaming.base import (CSVWriter, JSONWriter, LocalDataset, MDSWriter, Stream,\n"
                          "                            StreamingDataLoader, StreamingDataset, TSVWriter, XSVWriter)\n",
             in_source=True),
+    # ...and streaming.base's takes each exported name from its module in EXPORTED.
+    *(Private("streaming.base", f"from streaming.base.{module} import", in_source=True)
+      for module in sorted(set(EXPORTED.values()))),
     Private("streaming.base.shared.prefix", "_get_path", params=("prefix_int", "name")),
     Private("streaming.base.shared.prefix:_check_and_find", "gettempdir()", in_source=True),
     Private("streaming.base.shared.prefix", "dist"),
