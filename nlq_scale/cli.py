@@ -112,14 +112,19 @@ def _add_config_dirs(dirs: list[str]) -> None:
     for d in reversed(dirs):
         if not os.path.isdir(d):
             raise UsageError(f"--config-dir {d}: not a directory")
-        os.environ[CONFIG_PATH_ENV] = os.pathsep.join(filter(None, [os.path.abspath(d), os.environ.get(CONFIG_PATH_ENV)]))
+        # idempotent: a process restarted onto its allocator (restart_with) comes through here again
+        rest = [p for p in os.environ.get(CONFIG_PATH_ENV, "").split(os.pathsep) if p and p != os.path.abspath(d)]
+        os.environ[CONFIG_PATH_ENV] = os.pathsep.join([os.path.abspath(d), *rest])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """`own_process`: this process runs nothing but this command (the console script, `python -m`),
+    so a command may restart it (`nlq-scale train` onto runtime.cpu_allocator)."""
     from nlq_scale.runtime.quiet import VERBOSE_ENV, quiet_libraries
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.own_process = own_process
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"  # through the environment, to ranks and submitted jobs
     quiet_libraries()
@@ -138,7 +143,7 @@ def run() -> None:
     """The `nlq-scale` console script: main() in a process of its own."""
     from nlq_scale.runtime.exit import exit_process
 
-    exit_process(main())
+    exit_process(main(own_process=True))
 
 
 if __name__ == "__main__":

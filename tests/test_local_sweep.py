@@ -3,6 +3,7 @@ grouped by sweep and arm (read back from the offline files), and a non-zero exit
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from nlq_scale.runtime.allocator import TCMALLOC
 from tests.conftest import nlq
 
 TWO_STEPS = ("train.steps=2", "train.warmup_steps=1", "train.eval_every=2", "checkpoint.every=2")
@@ -36,6 +38,9 @@ def test_local_sweep_shows_progress_and_groups_wandb_runs(tmp_path, sample_datas
     run = _wandb_run_record(tmp_path / "smoke" / run_id)
     assert (run["run_group"], run["job_type"]) == ("smoke", "nonlinear")
     assert {"scale:cpu-xs", "seed:1234", "lr:0.003", "arm:nonlinear"} <= set(run["tags"])
+    # the job's task restarted itself on tcmalloc where it is installed (runtime.cpu_allocator: auto)
+    manifest = json.loads((tmp_path / "smoke" / run_id / "manifest.json").read_text())
+    assert manifest["allocator"] == ("tcmalloc" if ctypes.util.find_library(TCMALLOC) else "system")
 
 
 @pytest.mark.slow

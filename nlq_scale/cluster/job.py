@@ -69,6 +69,13 @@ class TrainJob(submitit.helpers.Checkpointable):
         self.train_fn = train_fn
 
     def __call__(self) -> str:
+        cfg = RunConfig.model_validate(self.config)
+        if self.train_fn is None and submitit_compat.in_job_process():
+            from nlq_scale.runtime.allocator import restart_with
+
+            # The task starts over on runtime.cpu_allocator, before torch is imported: the same pid
+            # (srun and the local controller keep tracking it), and it reads the same pickle.
+            restart_with(cfg.runtime.cpu_allocator)
         from nlq_scale.runtime.dist import STORE_HOSTED, job_master_port
 
         env = submitit.JobEnvironment()
@@ -77,7 +84,6 @@ class TrainJob(submitit.helpers.Checkpointable):
         os.environ.pop(STORE_HOSTED, None)  # this job's rank 0 serves the store, whatever the submitter had
         # The runtime picks its device from LOCAL_RANK, so every GPU of the node stays visible.
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        cfg = RunConfig.model_validate(self.config)
         train = self.train_fn or _train_run()
         preempt_signal = submitit_compat.preemption_signal(env)
         with ReceivedSignals() as received:

@@ -1,9 +1,10 @@
 """submitit internals: the preemption signal and handler of a job, the local executor's controller
-process, the result pickle a job leaves, and the submission errors (cluster/ and data/submit.py go
-through here)."""
+process, the command line of a job's task, the result pickle a job leaves, and the submission
+errors (cluster/ and data/submit.py go through here)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from nlq_scale.compat import Private
@@ -13,11 +14,15 @@ WRITTEN_FOR = "==1.5.*"  # read against 1.5.4
 
 # The local executor starts its controller as `python -m <this> <folder>`: its pid is the job id.
 LOCAL_CONTROLLER_MODULE = "submitit.local._local"
+# Both executors start each task of a job as `python -u -m <this> <folder>`.
+JOB_MODULE = "submitit.core._submit"
 
 RELIES_ON = (
     Private("submitit.core.job_environment:JobEnvironment", "_usr_sig", params=()),
     Private("submitit.core.job_environment", "SignalHandler"),
     Private("submitit.local.local:start_controller", f'"{LOCAL_CONTROLLER_MODULE}"', in_source=True),
+    Private("submitit.local.local:LocalExecutor", f'"-u -m {JOB_MODULE}"', in_source=True),
+    Private("submitit.slurm.slurm:SlurmExecutor", f'"-u -m {JOB_MODULE}"', in_source=True),
     Private("submitit.core.utils:JobPaths", "__init__", params=("folder", "job_id", "task_id")),
     Private("submitit.core.utils:JobPaths", "result_pickle"),
     Private("submitit.core.submission:process_job", '("error", traceback.format_exc())', in_source=True),
@@ -29,6 +34,11 @@ RELIES_ON = (
 def preemption_signal(env) -> int:
     """The signal submitit's handler in this job (`env`, a submitit.JobEnvironment) requeues on."""
     return env._usr_sig()
+
+
+def in_job_process() -> bool:
+    """This process is a task of a submitit job (which reads the job's pickle when it starts)."""
+    return any(a == "-m" and b == JOB_MODULE for a, b in zip(sys.orig_argv, sys.orig_argv[1:]))
 
 
 def is_job_handler(handler: object) -> bool:

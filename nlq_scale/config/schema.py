@@ -342,10 +342,11 @@ class RuntimeConfig(Strict):
     )
     cpu_allocator: Literal["auto", "system"] = Field(
         "auto",
-        description="host allocator of the CPU rank processes `--nproc` starts: auto preloads tcmalloc where it is "
-        "installed (Debian's libtcmalloc-minimal4), which reuses freed activation memory where glibc's malloc returns "
-        "it to the OS and faults it in again at every step; system keeps glibc's. A process started directly keeps "
-        "the allocator it was started with (LD_PRELOAD)",
+        description="host allocator of the rank processes: auto preloads tcmalloc where it is installed (Debian's "
+        "libtcmalloc-minimal4), which reuses freed activation memory where glibc's malloc returns it to the OS and "
+        "faults it in again at every step; system keeps glibc's. The `--nproc` ranks start on it; `nlq-scale train` "
+        "in a process of its own and a submitted job's task restart themselves on it before importing torch; a run "
+        "called in-process keeps the allocator its process started with (LD_PRELOAD)",
     )
 
 

@@ -6,8 +6,10 @@ page: at the throughput benchmark's shape 300-550 thousand page faults and 0.6-1
 per 8 s step, and more for the arm that keeps more activations. tcmalloc keeps freed blocks for
 reuse: after the first step a step faults in almost nothing. It is the allocator torch's own CPU
 launcher (torch.backends.xeon.run_cpu) preloads. The allocator of a process is fixed when it starts,
-so only processes this package starts (the `--nproc` ranks, the throughput benchmark's processes)
-can be given it; a process started directly keeps the one it was started with.
+so a process gets it when it starts: the `--nproc` ranks are started with it, and a process that
+owns its command line (`nlq-scale train` in a process of its own, the throughput benchmark) restarts
+itself on it before its first import of torch. A run called in-process (`main([...])`, a submitit
+job) keeps the allocator its process was started with.
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ def loaded_allocator() -> str:
 
 
 def restart_with(choice: str) -> None:
-    """Replace this script's process by a fresh one on the allocator `choice` asks for, when that
-    preloads one this process does not run (a benchmark's first lines; the same pid and arguments)."""
+    """Replace this process by a fresh one on the allocator `choice` asks for, when that preloads one
+    this process does not run: the same pid, interpreter options and arguments (`python -m ...`
+    stays a module run), and the environment as it is now."""
     env = preload_env(choice, dict(os.environ))
     if env.get(PRELOAD) != os.environ.get(PRELOAD) and loaded_allocator() == "system":
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        sys.stdout.flush()  # what this process printed must not be lost with its buffers
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -22,8 +22,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nlq_scale.config.load import load_run_config
-    from nlq_scale.runtime.dist import detect_env
-    from nlq_scale.train.preflight import preflight
 
     if args.scale and not args.arm:
         raise UsageError("--scale needs --arm")
@@ -31,6 +29,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     check_creatable(args.run_dir, "--run-dir")
     cfg = load_run_config(scale=args.scale, arm=args.arm, config_path=args.config, overrides=args.overrides)
+    if args.nproc == 1 and args.own_process:
+        from nlq_scale.runtime.allocator import restart_with
+
+        restart_with(cfg.runtime.cpu_allocator)  # before the first import of torch (--nproc starts its ranks on it)
+    from nlq_scale.runtime.dist import detect_env
+    from nlq_scale.train.preflight import preflight
+
     # Under srun/torchrun this process is one rank of a larger world: check the layout against it.
     env = detect_env() if args.nproc == 1 else None
     preflight(cfg, args.run_dir, env.world_size if env else args.nproc, env.local_rank if env else 0)
