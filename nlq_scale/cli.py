@@ -113,8 +113,9 @@ def _add_config_dirs(dirs: list[str]) -> None:
         if not os.path.isdir(d):
             raise UsageError(f"--config-dir {d}: not a directory")
         # idempotent: a process restarted onto its allocator (restart_with) comes through here again
-        rest = [p for p in os.environ.get(CONFIG_PATH_ENV, "").split(os.pathsep) if p and p != os.path.abspath(d)]
-        os.environ[CONFIG_PATH_ENV] = os.pathsep.join([os.path.abspath(d), *rest])
+        path = os.path.abspath(d)
+        rest = [p for p in os.environ.get(CONFIG_PATH_ENV, "").split(os.pathsep) if p and p != path]
+        os.environ[CONFIG_PATH_ENV] = os.pathsep.join([path, *rest])
 
 
 def main(argv: list[str] | None = None, own_process: bool = False) -> int:

@@ -7,6 +7,7 @@ for the other's."""
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from nlq_scale.runtime.allocator import TCMALLOC
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -30,6 +33,9 @@ TINY_MODEL = [
     "model.bf16=false",  # the 124m scale trains in bf16; exactness tests compare in fp32
 ]
 
+
+# What runtime.cpu_allocator: auto gives a training process on this machine.
+AUTO_ALLOCATOR = "tcmalloc" if ctypes.util.find_library(TCMALLOC) else "system"
 
 SLURM_FILES = frozenset({"tests/test_cluster_reliability.py", "tests/test_cluster_slurm.py",
                          "tests/test_data_parallel_prepare.py"})

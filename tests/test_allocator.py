@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import ctypes.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-from nlq_scale.runtime.allocator import PRELOAD, TCMALLOC, preload_env
+from nlq_scale.runtime.allocator import PRELOAD, preload_env
 from nlq_scale.runtime.launch import launch_local
+from tests.conftest import AUTO_ALLOCATOR
 
-INSTALLED = ctypes.util.find_library(TCMALLOC) is not None
 # A rank that exits 0 only when it runs the allocator named in its argument.
 RANK = ["-c", "import sys; from nlq_scale.runtime.allocator import loaded_allocator as a; sys.exit(a() != sys.argv[1])"]
 
 
-CHOICES = [("auto", "tcmalloc" if INSTALLED else "system"), ("system", "system")]
+CHOICES = [("auto", AUTO_ALLOCATOR), ("system", "system")]
 
 
 @pytest.mark.parametrize("choice, runs", CHOICES)

@@ -3,7 +3,6 @@ grouped by sweep and arm (read back from the offline files), and a non-zero exit
 
 from __future__ import annotations
 
-import ctypes.util
 import json
 import subprocess
 import sys
@@ -11,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nlq_scale.runtime.allocator import TCMALLOC
-from tests.conftest import nlq
+from tests.conftest import AUTO_ALLOCATOR, nlq
 
 TWO_STEPS = ("train.steps=2", "train.warmup_steps=1", "train.eval_every=2", "checkpoint.every=2")
 
@@ -40,7 +38,7 @@ def test_local_sweep_shows_progress_and_groups_wandb_runs(tmp_path, sample_datas
     assert {"scale:cpu-xs", "seed:1234", "lr:0.003", "arm:nonlinear"} <= set(run["tags"])
     # the job's task restarted itself on tcmalloc where it is installed (runtime.cpu_allocator: auto)
     manifest = json.loads((tmp_path / "smoke" / run_id / "manifest.json").read_text())
-    assert manifest["allocator"] == ("tcmalloc" if ctypes.util.find_library(TCMALLOC) else "system")
+    assert manifest["allocator"] == AUTO_ALLOCATOR
 
 
 @pytest.mark.slow

@@ -1,7 +1,6 @@
 """Training must-shows on CPU at the tiny scale: bit-exact resume after SIGKILL, resume at another
 world size, identical streams across arms, truncated checkpoints, divergence, bad input."""
 
-import ctypes.util
 import json
 import os
 import shutil
@@ -14,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nlq_scale.runtime.allocator import TCMALLOC
-from tests.conftest import REPO, SCRIPTS, last_by_step, nlq, read_metrics
+from tests.conftest import AUTO_ALLOCATOR, REPO, SCRIPTS, last_by_step, nlq, read_metrics
 
 STEPS = 20
 CHECKPOINT = 10  # the step the kill tests wait for
@@ -113,7 +111,7 @@ def test_sigkill_and_relaunch_is_bit_exact(uninterrupted, sample_dataset, tmp_pa
     assert any(r.get("event") == "resume" for r in b)
     # The --nproc ranks run tcmalloc where it is installed (runtime.cpu_allocator: auto); same bits.
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["allocator"] == ("tcmalloc" if ctypes.util.find_library(TCMALLOC) else "system")
+    assert manifest["allocator"] == AUTO_ALLOCATOR
     final_a = model_tensors(engine, uninterrupted / "checkpoints" / f"step_{STEPS}", tmp_path)
     final_b = model_tensors(engine, run_dir / "checkpoints" / f"step_{STEPS}", tmp_path)
     assert final_a.keys() == final_b.keys() and any("word_embeddings" in k for k in final_a)
@@ -136,7 +134,7 @@ def test_saved_at_two_ranks_resumes_at_one(uninterrupted, sample_dataset, tmp_pa
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["layout"]["world_size"] == 1 and manifest["layout"]["engine"] == engine
     # one rank in a process of its own (`nlq-scale train`) restarts itself on tcmalloc where it is installed
-    assert manifest["allocator"] == ("tcmalloc" if ctypes.util.find_library(TCMALLOC) else "system")
+    assert manifest["allocator"] == AUTO_ALLOCATOR
 
 
 # Layouts a checkpoint is saved at and resumed from at DP=2, per engine (DeepSpeed runs PP=1 only),

@@ -8,8 +8,8 @@ reuse: after the first step a step faults in almost nothing. It is the allocator
 launcher (torch.backends.xeon.run_cpu) preloads. The allocator of a process is fixed when it starts,
 so a process gets it when it starts: the `--nproc` ranks are started with it, and a process that
 owns its command line (`nlq-scale train` in a process of its own, the throughput benchmark) restarts
-itself on it before its first import of torch. A run called in-process (`main([...])`, a submitit
-job) keeps the allocator its process was started with.
+itself on it before its first import of torch, as does each task of a submitted job. A run called
+in-process (`main([...])` inside another program) keeps the allocator its process was started with.
 """
 
 from __future__ import annotations
