@@ -15,14 +15,15 @@ import torch
 
 from tests.conftest import AUTO_ALLOCATOR, REPO, SCRIPTS, last_by_step, nlq, read_metrics
 
-STEPS = 20
-CHECKPOINT = 10  # the step the kill tests wait for
+STEPS = 12  # CI time: each of this file's 2-rank runs trains this many steps
+CHECKPOINT = 6  # the step the kill tests wait for
+EVAL_EVERY = 3
 
 
 def train_args(run_dir: Path, data: Path, arm: str = "nonlinear", *extra: str) -> list[str]:
     return [
         "train", "--scale", "cpu-xs", "--arm", arm, "--run-dir", str(run_dir),
-        f"data.path={data}", f"train.steps={STEPS}", "train.eval_every=5", f"checkpoint.every={CHECKPOINT}",
+        f"data.path={data}", f"train.steps={STEPS}", f"train.eval_every={EVAL_EVERY}", f"checkpoint.every={CHECKPOINT}",
         "checkpoint.keep=3", "logging.wandb=false", *extra,
     ]  # fmt: skip
 
@@ -85,7 +86,7 @@ def test_named_validation_set_is_logged_beside_the_main_one(uninterrupted):
     give the same loss and standard error, at every eval, on both engines and across 2 DP ranks."""
     _, run_dir = uninterrupted
     records = [r for r in read_metrics(run_dir) if "val/loss" in r]
-    assert [r["step"] for r in records] == list(range(5, STEPS + 1, 5))
+    assert [r["step"] for r in records] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
     for r in records:
         assert r["val/again/loss"] == r["val/loss"] and r["val/again/loss_stderr"] == r["val/loss_stderr"] > 0, r
 
@@ -186,10 +187,10 @@ def test_saved_at_tp2_or_pp2_resumes_at_dp2_within_tolerance(uninterrupted, samp
 def test_two_arms_see_identical_batches(uninterrupted, sample_dataset, tmp_path):
     _, uninterrupted = uninterrupted
     run_dir = tmp_path / "linear"
-    run_to_end(train_args(run_dir, sample_dataset, "linear", "train.steps=12"), 1)
+    run_to_end(train_args(run_dir, sample_dataset, "linear"), 1)
     linear = last_by_step(read_metrics(run_dir), "data/hash")
     nonlinear = last_by_step(read_metrics(uninterrupted), "data/hash")
-    assert linear == {s: nonlinear[s] for s in linear} and len(linear) == 12
+    assert linear == {s: nonlinear[s] for s in linear} and len(linear) == STEPS
 
 
 @pytest.mark.slow
