@@ -7,11 +7,13 @@ for the other's."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,63 @@ def nlq(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess
         env=(os.environ | (env or {})),
         cwd=REPO,
     )
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The `nlq-scale` command in this process: the main() the console script calls, without a new
+    interpreter's imports (~10 s a command). For commands that run in one process (export, generate,
+    import-nanogpt, refusals); what starts ranks or jobs goes through `nlq`. A command's one-process
+    distributed block would end a process group the test holds, so there must be none."""
+    import io
+
+    import torch.distributed as dist
+
+    from nlq_scale.cli import main
+
+    assert not dist.is_initialized(), "cli() inside a process group (the single_rank fixture): use nlq()"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _environ(env or {}):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's refusals and --help
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["nlq-scale", *args], code, out.getvalue(), err.getvalue())
+
+
+def refused(*args: str) -> str:
+    """The command's one-line refusal (exit 2)."""
+    r = cli(*args)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    return r.stderr
+
+
+@contextlib.contextmanager
+def _environ(changes: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def one_rank() -> Iterator[None]:
+    """torch.distributed and megatron's parallel state at one rank (TP = PP = 1)."""
+    from nlq_scale.config.schema import ParallelConfig
+    from nlq_scale.runtime.dist import distributed
+
+    with distributed(ParallelConfig()):
+        yield
+
+
+@pytest.fixture
+def single_rank():
+    """one_rank() for one test."""
+    with one_rank():
+        yield
 
 
 def run_ranks(script: str, nproc: int, *args: str, timeout: float = 600) -> None:

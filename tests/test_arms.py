@@ -23,7 +23,6 @@ from nlq_scale.errors import UsageError
 from nlq_scale.model.accounting import count_parameters
 from tests.conftest import REPO, TINY_MODEL, run_ranks
 from tests.test_model import build_model as build
-from tests.test_model import single_rank  # noqa: F401  (fixture)
 
 VARIANTS = {
     "stock": [],

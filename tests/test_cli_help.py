@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, nlq
+from tests.conftest import REPO, nlq, refused
 
 EXAMPLED = ("plan", "submit", "status", "cancel", "compare", "fit", "import-csv", "quickstart")
 
@@ -74,16 +74,14 @@ WRITERS = {  # command: its arguments, OUT where it writes
 
 
 @pytest.mark.parametrize("command", WRITERS)
-def test_a_place_that_cannot_be_written_is_refused_before_any_work(command, capsys, tmp_path, monkeypatch):
-    from tests.test_export import refused
-
+def test_a_place_that_cannot_be_written_is_refused_before_any_work(command, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     args = WRITERS[command]
     flag = args[[i for i, a in enumerate(args) if "OUT" in a][0] - 1]
-    err = refused(capsys, *[a.replace("OUT", UNCREATABLE) for a in args])
+    err = refused(*[a.replace("OUT", UNCREATABLE) for a in args])
     assert f"{flag} {UNCREATABLE}" in err and "cannot create files in /proc" in err
     a_file = tmp_path / "a-file"
     a_file.write_text("kept")
-    err = refused(capsys, *[a.replace("OUT", str(a_file / "below")) for a in args])
+    err = refused(*[a.replace("OUT", str(a_file / "below")) for a in args])
     assert f"{flag} {a_file}/below" in err and f"{a_file} is not a directory" in err
     assert a_file.read_text() == "kept"

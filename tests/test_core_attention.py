@@ -14,7 +14,6 @@ from nlq_scale.model import core_attention
 from nlq_scale.model.core_attention import SDPAttention
 from tests.test_arms import _loss_and_gradients, case_config
 from tests.test_model import build_model
-from tests.test_model import single_rank  # noqa: F401  (fixture)
 
 SHAPES = {
     "stock": [],

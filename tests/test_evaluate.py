@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from nlq_scale.evaluate import tasks
-from tests.conftest import nlq
-from tests.test_export import refused, train
-from tests.test_model import single_rank  # noqa: F401  (fixture)
+from tests.conftest import cli, nlq, one_rank, refused
+from tests.test_export import train
 
 
 def test_local_task_documents_are_deterministic_and_well_formed():
@@ -65,8 +64,8 @@ def runs(tmp_path_factory, sample_dataset) -> dict[str, Path]:
     return out
 
 
-def evaluated(run_dir: Path, *args: str, env: dict | None = None) -> dict:
-    r = nlq("eval", str(run_dir), "--json", *args, env=env)
+def evaluated(run_dir: Path, *args: str, env: dict | None = None, own_process: bool = False) -> dict:
+    r = (nlq if own_process else cli)("eval", str(run_dir), "--json", *args, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
@@ -75,19 +74,22 @@ def accuracies(entry: dict) -> list[float]:
     return [m["value"] for t in entry["tasks"].values() for name, m in t["metrics"].items() if name.startswith("acc")]
 
 
-def test_eval_records_accuracies_per_step_for_stock_and_remote_code_arms(runs, single_rank):
+def test_eval_records_accuracies_per_step_for_stock_and_remote_code_arms(runs):
     full = evaluated(runs["linear"], "--tasks", "nlq_lastword,nlq_cloze")
     assert {t: r["n"] for t, r in full["tasks"].items()} == {"nlq_lastword": 100, "nlq_cloze": 100}
     # Started by a one-process launcher whose MASTER_PORT another process holds now: lm-eval's
-    # accelerate must not try to rendezvous there (a CI run failed on it: EADDRINUSE).
+    # accelerate must not try to rendezvous there (a CI run failed on it: EADDRINUSE). In a process
+    # of its own: accelerate keeps its state per process, so an eval run here before would hide it.
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         launcher = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held.getsockname()[1])}  # fmt: skip
-        limited = evaluated(runs["nonlinear"], "--tasks", "nlq_cloze", "--limit", "12", "--step", "3", env=launcher)
+        limited = evaluated(runs["nonlinear"], "--tasks", "nlq_cloze", "--limit", "12", "--step", "3", env=launcher,
+                            own_process=True)
     assert limited["tasks"]["nlq_cloze"]["n"] == 12 and limited["arm"] == "nonlinear"
-    acc, acc_norm = harness_cloze(runs["nonlinear"], tasks.task_documents()["nlq_cloze"][:12])
+    with one_rank():
+        acc, acc_norm = harness_cloze(runs["nonlinear"], tasks.task_documents()["nlq_cloze"][:12])
     cloze = limited["tasks"]["nlq_cloze"]["metrics"]
     assert (cloze["acc"]["value"], cloze["acc_norm"]["value"]) == pytest.approx((acc, acc_norm), abs=1e-9)
     for entry in (full, limited):
@@ -101,7 +103,8 @@ def test_eval_records_accuracies_per_step_for_stock_and_remote_code_arms(runs, s
     stored = json.loads((runs["nonlinear"] / "eval.json").read_text())
     assert list(stored) == ["3"] and set(stored["3"]["tasks"]) == {"nlq_cloze", "nlq_lastword"}
     assert stored["3"]["tasks"]["nlq_cloze"]["n"] == 12
-    acc, ppl = harness_lastword(runs["nonlinear"], tasks.task_documents()["nlq_lastword"][:limit])
+    with one_rank():
+        acc, ppl = harness_lastword(runs["nonlinear"], tasks.task_documents()["nlq_lastword"][:limit])
     metrics = entry["tasks"]["nlq_lastword"]["metrics"]
     assert metrics["acc"]["value"] == acc
     assert metrics["perplexity"]["value"] == pytest.approx(ppl, rel=1e-4)
@@ -130,7 +133,7 @@ def harness_cloze(run_dir: Path, docs: list[dict]) -> tuple[float, float]:
 def harness_loglikelihood(run_dir: Path) -> Callable[[str, str], tuple[float, bool]]:
     """(log-likelihood, greedy) of " word" after a context from the megatron model's logits,
     tokenized with the harness's tokenizer and cut to the model's window as lm-eval cuts (the last
-    seq_length + 1 tokens)."""
+    seq_length + 1 tokens). Call inside a one-rank block (one_rank)."""
     from nlq_scale.data.tokenizer import gpt2_tokenizer
     from nlq_scale.export.checkpoint import find_checkpoint, load_harness_model
 
@@ -149,13 +152,13 @@ def harness_loglikelihood(run_dir: Path) -> Callable[[str, str], tuple[float, bo
     return loglik
 
 
-def test_bad_eval_input_exits_2_with_one_line(runs, tmp_path, capsys):
-    assert "unknown lm-eval task" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "no_such_task")
-    assert "not a run directory" in refused(capsys, "eval", str(tmp_path), "--tasks", "nlq_cloze")
-    assert "--step 7" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "nlq_cloze", "--step", "7")
-    assert "--limit" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "nlq_cloze", "--limit", "0")
+def test_bad_eval_input_exits_2_with_one_line(runs, tmp_path):
+    assert "unknown lm-eval task" in refused("eval", str(runs["linear"]), "--tasks", "no_such_task")
+    assert "not a run directory" in refused("eval", str(tmp_path), "--tasks", "nlq_cloze")
+    assert "--step 7" in refused("eval", str(runs["linear"]), "--tasks", "nlq_cloze", "--step", "7")
+    assert "--limit" in refused("eval", str(runs["linear"]), "--tasks", "nlq_cloze", "--limit", "0")
     if not torch.cuda.is_available():
-        assert "--device cuda: no CUDA device" in refused(capsys, "eval", str(runs["linear"]), "--tasks", "nlq_cloze",
+        assert "--device cuda: no CUDA device" in refused("eval", str(runs["linear"]), "--tasks", "nlq_cloze",
                                                           "--device", "cuda")  # fmt: skip
     # lm-eval's own task, whose dataset this machine has never downloaded: one line, not a traceback.
     r = nlq("eval", str(runs["linear"]), "--tasks", "lambada_openai", env={"HF_DATASETS_CACHE": str(tmp_path / "hf")})

@@ -15,9 +15,8 @@ import torch
 
 from nlq_scale import arms
 from nlq_scale.config import load_run_config
-from tests.conftest import REPO, TINY_MODEL, nlq, read_metrics
+from tests.conftest import REPO, TINY_MODEL, cli, nlq, read_metrics, refused
 from tests.test_model import build_model
-from tests.test_model import single_rank  # noqa: F401  (fixture)
 
 TOL = 1e-4
 CASES = [pytest.param(arm, [], id=arm) for arm in arms.names()] + [
@@ -185,14 +184,14 @@ def tiny_run(tmp_path_factory, sample_dataset) -> Path:
 
 
 def generated(source: Path, *extra: str) -> dict:
-    r = nlq("generate", str(source), "--prompt", "The history of", "--max-new-tokens", "6", "--json", *extra)
+    r = cli("generate", str(source), "--prompt", "The history of", "--max-new-tokens", "6", "--json", *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
 
 def test_export_and_generate_from_a_run_directory(tiny_run, tmp_path):
     out = tmp_path / "hf"
-    r = nlq("export", str(tiny_run), "--step", "3", "--format", "hf", "--out", str(out))
+    r = cli("export", str(tiny_run), "--step", "3", "--format", "hf", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "modeling_nlq.py", "tokenizer.json", "vocab.json", "merges.txt"} <= files
@@ -204,36 +203,25 @@ def test_export_and_generate_from_a_run_directory(tiny_run, tmp_path):
     assert ours == theirs
 
 
-def refused(capsys, *args: str) -> str:
-    """The CLI in this process (each refusal happens before anything heavy is imported)."""
-    from nlq_scale.cli import main
-
-    capsys.readouterr()
-    assert main(list(args)) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1, err
-    return err
-
-
-def test_bad_export_input_exits_2_with_one_line_and_overwrites_nothing(tiny_run, tmp_path, capsys):
+def test_bad_export_input_exits_2_with_one_line_and_overwrites_nothing(tiny_run, tmp_path):
     empty_run = tmp_path / "no-ckpt"
     empty_run.mkdir()
     (empty_run / "config.yaml").write_text((tiny_run / "config.yaml").read_text())
-    assert "no complete checkpoint" in refused(capsys, "export", str(empty_run), "--out", str(tmp_path / "a"))
-    assert "not a run directory" in refused(capsys, "export", str(tmp_path), "--out", str(tmp_path / "a"))
-    assert "--step 7" in refused(capsys, "export", str(tiny_run), "--step", "7", "--out", str(tmp_path / "a"))
+    assert "no complete checkpoint" in refused("export", str(empty_run), "--out", str(tmp_path / "a"))
+    assert "not a run directory" in refused("export", str(tmp_path), "--out", str(tmp_path / "a"))
+    assert "--step 7" in refused("export", str(tiny_run), "--step", "7", "--out", str(tmp_path / "a"))
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")
-    assert "not an empty directory" in refused(capsys, "export", str(tiny_run), "--out", str(full))
+    assert "not an empty directory" in refused("export", str(tiny_run), "--out", str(full))
     assert [p.name for p in full.iterdir()] == ["keep.txt"] and (full / "keep.txt").read_text() == "mine"
     assert not (tmp_path / "a").exists()
-    assert "exceed" in refused(capsys, "generate", str(tiny_run), "--prompt", "x", "--max-new-tokens", "500")
+    assert "exceed" in refused("generate", str(tiny_run), "--prompt", "x", "--max-new-tokens", "500")
     not_export = tmp_path / "not-an-export"
     not_export.mkdir()
     for config in ("{}", '{"model_type": "gpt2"}'):  # no known model type; then no weights or tokenizer
         (not_export / "config.json").write_text(config)
-        err = refused(capsys, "generate", str(not_export), "--prompt", "x")
+        err = refused("generate", str(not_export), "--prompt", "x")
         assert f"{not_export}: not a transformers export this can load" in err
 
 
@@ -293,7 +281,7 @@ def test_multi_rank_checkpoints_export_to_the_loss_the_ranks_logged(trained, tmp
     """The ranks' own validation loss at the saved step (their TP/PP/DP model, fp32) is what the
     export computes on the same sequences, and (at TP=2) its greedy tokens are `nlq-scale generate`'s."""
     run_dir, out = trained(nproc, arm, *extra), tmp_path / "hf"
-    r = nlq("export", str(run_dir), "--out", str(out))
+    r = cli("export", str(run_dir), "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     logged = [m["val/loss"] for m in read_metrics(run_dir) if m.get("step") == 3 and "val/loss" in m][-1]
     assert val_loss_of_export(out, run_dir) == pytest.approx(logged, abs=TOL)
@@ -313,7 +301,7 @@ def test_a_zero3_shard_carrying_code_is_refused_naming_it(trained, tmp_path):
     shard = ckpt / "deepspeed" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
     plant_in_torch_file(shard, marker)
     reseal(ckpt)
-    r = nlq("export", str(run_dir), "--out", str(tmp_path / "hf"))
+    r = cli("export", str(run_dir), "--out", str(tmp_path / "hf"))
     line = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and f"{shard}: refused: not plain checkpoint data" in line, r.stderr[-3000:]
     assert "Traceback" not in r.stderr and not marker.exists() and not (tmp_path / "hf").exists()
@@ -338,9 +326,9 @@ def test_authors_checkpoint_imports_to_a_run_whose_export_gives_their_logits(tmp
     ckpt = tmp_path / "ckpt.pt"
     torch.save({"model": theirs.state_dict(), "model_args": {"n_head": 4, "query_mode": mode}, "iter_num": 5}, ckpt)
     run_dir, out = tmp_path / "run", tmp_path / "hf"
-    r = nlq("import-nanogpt", str(ckpt), "--out", str(run_dir))
+    r = cli("import-nanogpt", str(ckpt), "--out", str(run_dir))
     assert r.returncode == 0, r.stderr[-3000:]
-    r = nlq("export", str(run_dir), "--step", "5", "--out", str(out))
+    r = cli("export", str(run_dir), "--step", "5", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, torch_dtype=torch.float32).eval()
     tokens = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -348,20 +336,20 @@ def test_authors_checkpoint_imports_to_a_run_whose_export_gives_their_logits(tmp
         assert (hf(tokens).logits - theirs(tokens)).abs().max().item() <= 1e-5
 
 
-def test_authors_checkpoint_of_an_unknown_mode_is_refused(tmp_path, capsys):
+def test_authors_checkpoint_of_an_unknown_mode_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     torch.save({"model": {"transformer.wte.weight": torch.zeros(8, 4)}, "model_args": {"n_head": 1}}, ckpt)
-    assert "--mode" in refused(capsys, "import-nanogpt", str(ckpt), "--out", str(tmp_path / "run"), "--mode", "bogus")
-    assert "query_mode" in refused(capsys, "import-nanogpt", str(ckpt), "--out", str(tmp_path / "run"))
+    assert "--mode" in refused("import-nanogpt", str(ckpt), "--out", str(tmp_path / "run"), "--mode", "bogus")
+    assert "query_mode" in refused("import-nanogpt", str(ckpt), "--out", str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 
-def test_a_file_that_is_not_a_torch_save_is_refused_in_one_line(tmp_path, capsys):
+def test_a_file_that_is_not_a_torch_save_is_refused_in_one_line(tmp_path):
     saved = tmp_path / "saved.pt"
     torch.save({"model": {}}, saved)
     files = {"text.pt": b"a: [1,\n", "empty.pt": b"", "cut.pt": saved.read_bytes()[:300]}
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
-        err = refused(capsys, "import-nanogpt", str(tmp_path / name), "--out", str(tmp_path / "run"))
+        err = refused("import-nanogpt", str(tmp_path / name), "--out", str(tmp_path / "run"))
         assert f"{tmp_path / name}: not a readable torch file" in err, err
     assert not (tmp_path / "run").exists()

@@ -9,15 +9,6 @@ from nlq_scale.model.accounting import count_parameters
 from tests.conftest import TINY_MODEL
 
 
-@pytest.fixture(scope="module")
-def single_rank():
-    from nlq_scale.config.schema import ParallelConfig
-    from nlq_scale.runtime.dist import distributed
-
-    with distributed(ParallelConfig()):
-        yield
-
-
 def build_model(cfg, seed: int = 7):
     from nlq_scale.model.gpt import build_gpt, seed_init
 

@@ -12,7 +12,6 @@ import torch
 
 from nlq_scale.model import mup
 from tests.test_train_deepspeed import script
-from tests.test_train_deepspeed import single_rank  # noqa: F401  (fixture)
 
 WIDTH_4 = ["model.parametrization=mup", "model.mup_base_hidden_size=16"]  # cpu-xs is d 64: w = 4
 ONE_CLEAN_STEP = ["train.grad_clip=0", "train.weight_decay=0", "train.eps=1e-15", "train.warmup_steps=0", "train.min_lr_ratio=1"]
@@ -142,10 +141,10 @@ def test_a_slopes_interval_is_the_spread_over_seeds():
 
 
 def test_coord_check_cli_writes_json_and_plot(tmp_path):
-    from tests.conftest import nlq
+    from tests.conftest import cli
 
     png = tmp_path / "c.png"
-    r = nlq("coord-check", "--arm", "nonlinear", "--widths", "32,64", "--steps", "1", "--seeds", "1",
+    r = cli("coord-check", "--arm", "nonlinear", "--widths", "32,64", "--steps", "1", "--seeds", "1",
             "--parametrization", "mup", "--png", str(png), "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout)

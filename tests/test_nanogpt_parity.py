@@ -24,7 +24,6 @@ from nlq_scale.config import load_run_config
 from nlq_scale.model.accounting import count_parameters
 from tests.conftest import TINY_MODEL
 from tests.test_model import build_model
-from tests.test_model import single_rank  # noqa: F401  (fixture)
 
 # their query mode -> our configs/arms name (all with model.norm_bias=false)
 MODES = {

@@ -21,10 +21,12 @@ EVAL_EVERY = 3
 
 
 def train_args(run_dir: Path, data: Path, arm: str = "nonlinear", *extra: str) -> list[str]:
+    """Every run under the device check (runtime.check_device): these runs are also the GPU path's
+    check for TP, PP, DP, EP, kills and resumes on both engines (tests/test_device.py)."""
     return [
         "train", "--scale", "cpu-xs", "--arm", arm, "--run-dir", str(run_dir),
         f"data.path={data}", f"train.steps={STEPS}", f"train.eval_every={EVAL_EVERY}", f"checkpoint.every={CHECKPOINT}",
-        "checkpoint.keep=3", "logging.wandb=false", *extra,
+        "checkpoint.keep=3", "logging.wandb=false", "runtime.check_device=true", *extra,
     ]  # fmt: skip
 
 

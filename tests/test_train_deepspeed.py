@@ -13,15 +13,6 @@ from tests.conftest import run_ranks
 from tests.faults import nan_loss
 
 
-@pytest.fixture(scope="module")
-def single_rank():
-    from nlq_scale.config.schema import ParallelConfig
-    from nlq_scale.runtime.dist import distributed
-
-    with distributed(ParallelConfig()):
-        yield
-
-
 def script():
     from tests.scripts import deepspeed_engine
 

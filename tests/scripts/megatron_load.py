@@ -5,7 +5,9 @@ against megatron's own. Usage:
                                                           megatron's way, into CKPT/ours and, in
                                                           the background, into CKPT/background
   megatron_load.py compare OUT --dir CKPT [overrides...]  load CKPT/ours both ways into a trained engine
-Rank 0 writes to OUT, as JSON, the names of the tensors whose bits differ between the saves (and
+  megatron_load.py save,compare OUT ...                   both, in the same ranks (a load in the layout
+                                                          saved at, without starting ranks again)
+Rank 0 writes to OUT, as JSON keyed by mode, the names of the tensors whose bits differ between the saves (and
 the processes each forked) or
 the two loads, how many stored items each load read through torch's own reader, how many loads
 went through megatron's planning strategy, and how many parameters each rank holds only part of."""
@@ -182,7 +184,7 @@ def compare(cfg, ckpt: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("save", "compare"))
+    parser.add_argument("modes", help="save, compare or save,compare")
     parser.add_argument("out", type=Path)
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("overrides", nargs="*")
@@ -191,7 +193,7 @@ def main() -> None:
     from nlq_scale.runtime.dist import distributed
 
     with distributed(cfg.parallel):
-        result = {"save": save, "compare": compare}[args.mode](cfg, args.dir)
+        result = {mode: {"save": save, "compare": compare}[mode](cfg, args.dir) for mode in args.modes.split(",")}
     if int(os.environ.get("RANK", "0")) == 0:
         args.out.write_text(json.dumps(result))
 
