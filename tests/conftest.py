@@ -128,12 +128,18 @@ def _environ(changes: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def one_rank() -> Iterator[None]:
-    """torch.distributed and megatron's parallel state at one rank (TP = PP = 1)."""
+    """torch.distributed and megatron's parallel state at one rank (TP = PP = 1). The engines the
+    block built (tests/scripts/deepspeed_engine.py) are closed with it: an engine left open keeps
+    its process groups, and their gloo threads, for the rest of the pytest worker."""
     from nlq_scale.config.schema import ParallelConfig
     from nlq_scale.runtime.dist import distributed
+    from tests.scripts.deepspeed_engine import close_all
 
     with distributed(ParallelConfig()):
-        yield
+        try:
+            yield
+        finally:
+            close_all()
 
 
 @pytest.fixture

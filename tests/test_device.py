@@ -24,7 +24,7 @@ from nlq_scale.config.load import load_run_config
 from nlq_scale.errors import UsageError
 from nlq_scale.runtime.device import resolve_device
 from nlq_scale.runtime.device_check import DevicePlacementError, checking_devices
-from tests.conftest import REPO, nlq, read_metrics
+from tests.conftest import REPO, nlq, one_rank, read_metrics
 
 CHECKED = [
     "train.steps=4", "train.warmup_steps=1", "train.eval_every=2", "checkpoint.every=2",
@@ -192,11 +192,9 @@ def test_initial_weights_do_not_hang_on_the_host_generator(engine, monkeypatch):
     """On a GPU megatron's seeding reaches CUDA's generators only, while the norms, position
     embeddings and arm modules are initialised on the host: each engine must seed the host
     generator itself (an H200 run started every process from other weights until it did)."""
-    from nlq_scale.config.schema import ParallelConfig
-    from nlq_scale.runtime.dist import distributed
     from tests.scripts import deepspeed_engine as script
 
-    with distributed(ParallelConfig()):
+    with one_rank():
         for namespace in (torch.cuda, torch.cuda.random):  # as with CUDA: seeding it leaves the host alone
             monkeypatch.setattr(namespace, "manual_seed", lambda *_a, **_k: None)
         cfg = script.config(["train.steps=1"])

@@ -4,8 +4,10 @@ tensor-parallel size through universal-checkpoint conversion."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import weakref
 
 import pytest
 
@@ -55,7 +57,7 @@ def test_zero_stages_agree(single_rank, clip, exact):
         cfg = s.config([f"train.zero_stage={stage}", f"train.grad_clip={clip}", "train.steps=6"])
         engine = s.deepspeed_engine(cfg)
         curves[stage] = s.train(engine, cfg, s.batches(cfg, 6, seed=0), 0)
-        engine.engine.destroy()
+        engine.close()
     for stage in (1, 2, 3):
         if exact and stage < 3:
             assert curves[stage] == curves[0], stage
@@ -95,6 +97,22 @@ def test_not_a_deepspeed_checkpoint_is_a_usage_error(single_rank, tmp_path):
     (tmp_path / "deepspeed.json").write_text('{"dp": 1}')
     with pytest.raises(UsageError, match="deepspeed.json: unreadable"):
         engine.load(tmp_path)
+
+
+@pytest.mark.parametrize("engine_name", ["megatron", "deepspeed"])
+def test_a_closed_engine_is_freed_with_its_model(single_rank, engine_name):
+    """close() lets the model, and the process groups it holds, go with the engine's last
+    reference (coord-check builds one engine per width in one process; each gloo group keeps a
+    thread). Without it DDP's and DeepSpeed's gradient hooks kept every engine alive."""
+    s = script()
+    cfg = s.config(["train.zero_stage=1"])
+    engine = getattr(s, f"{engine_name}_engine")(cfg)
+    s.train(engine, cfg, s.batches(cfg, 1, seed=0), 0)
+    model = weakref.ref(engine.model if engine_name == "megatron" else engine.engine.module)
+    s.close_all()
+    del engine
+    gc.collect()
+    assert model() is None
 
 
 def test_which_shardings_load_without_conversion():

@@ -161,6 +161,7 @@ def measure_width(spec: CoordCheckSpec, parametrization: str, width: int, seed: 
         after = _probe(engine, recorder, probe)
     finally:
         recorder.close()
+        engine.close()
     activation = {role: float(np.mean([t.abs().mean().item() for t in ts])) for role, ts in after.items()}
     update = {
         role: float(np.mean([(t - t0).abs().mean().item() for t, t0 in zip(ts, before[role], strict=True)]))

@@ -259,6 +259,15 @@ class DeepSpeedEngine:
         losses = [dict(zip(("lm loss", "sequence losses"), self._loss(batch))) for batch in micro]
         return reduce_eval(losses, self.device)
 
+    def close(self) -> None:
+        """Let the model and its process groups go with the engine's last reference: DeepSpeed's
+        gradient hooks keep the engine alive until destroy() removes them. A ZeRO-3 engine stays
+        until the process ends all the same: DeepSpeed keeps it reachable (its model, for one, in
+        the module-level stack of deepspeed.runtime.zero.parameter_offload)."""
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+
     def save(self, ckpt_dir: Path) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
         if dist.get_rank() == 0:
@@ -282,8 +291,7 @@ class DeepSpeedEngine:
         if box[0] is not None:
             raise UsageError(box[0])
         # DeepSpeed reads load_universal from its config: re-create the engine with it.
-        self.engine.destroy()
-        self.engine = None
+        self.close()
         gc.collect()
         self.engine = self._initialize(load_universal=True)
         try:

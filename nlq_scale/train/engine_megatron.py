@@ -257,6 +257,15 @@ class MegatronEngine:
             self._background.abandon()
             self._background = None
 
+    def close(self) -> None:
+        """Let the model, optimizer and the process groups they hold go with the engine's last
+        reference. DDP's gradient-accumulator hooks live in autograd's C++ graph, where the garbage
+        collector cannot see them, and reach the model's config, which __init__ wired to the
+        optimizer: unless both links are cut, every engine built in a long-lived process (coord-check's
+        widths, the tests) stays, with its process groups (gloo: a thread waking 100 times a second each)."""
+        self.tconfig.grad_scale_func = self.tconfig.no_sync_func = self.tconfig.finalize_model_grads_func = None
+        self.model.grad_accs.clear()
+
     def _torch_adams(self) -> list[torch.optim.Optimizer]:
         """megatron-core 0.16.x's distributed optimizers on torch's Adam mishandle its `step`; the
         methods below (and compat.megatron) mend it where the state is built and loaded."""
