@@ -262,8 +262,8 @@ class DeepSpeedEngine:
     def close(self) -> None:
         """Let the model and its process groups go with the engine's last reference: DeepSpeed's
         gradient hooks keep the engine alive until destroy() removes them. A ZeRO-3 engine stays
-        until the process ends all the same: DeepSpeed keeps it reachable (its model, for one, in
-        the module-level stack of deepspeed.runtime.zero.parameter_offload)."""
+        until the process ends all the same: DeepSpeed keeps it reachable (its model, for one, on
+        a module-level stack of ZeRO-3's parameter-offload code)."""
         if self.engine is not None:
             self.engine.destroy()
             self.engine = None
