@@ -93,18 +93,30 @@ def test_named_validation_set_is_logged_beside_the_main_one(uninterrupted):
         assert r["val/again/loss"] == r["val/loss"] and r["val/again/loss_stderr"] == r["val/loss_stderr"] > 0, r
 
 
+@pytest.fixture(scope="module")
+def killed(uninterrupted, tmp_path_factory, sample_dataset) -> tuple[Path, Path]:
+    """(run dir, a copy of it as it was killed) of `uninterrupted`'s run, SIGKILLed on 2 ranks once
+    its step-CHECKPOINT checkpoint was complete. Streaming's lock dirs live in node-local scratch
+    private to the run: the killed run leaves its own behind."""
+    from nlq_scale.train.feed import job_tmp_dir
+
+    engine, _ = uninterrupted
+    run_dir = tmp_path_factory.mktemp("train") / f"killed-{engine}"
+    kill_after_checkpoint(run_dir, train_args(run_dir, sample_dataset, "nonlinear", f"train.engine={engine}"), 2,
+                          step=CHECKPOINT)  # fmt: skip
+    assert job_tmp_dir(run_dir).is_dir()
+    as_killed = shutil.copytree(run_dir, run_dir.with_name(f"{run_dir.name}-as-killed"))
+    return run_dir, as_killed
+
+
 @pytest.mark.slow
-def test_sigkill_and_relaunch_is_bit_exact(uninterrupted, sample_dataset, tmp_path):
-    """...and streaming's lock dirs live in node-local scratch private to the run: a killed run leaves
-    it behind, the last rank out of a finished run removes it."""
+def test_sigkill_and_relaunch_is_bit_exact(uninterrupted, killed, sample_dataset, tmp_path):
+    """...and the last rank out of a finished run removes its node-local scratch (`killed`)."""
     from nlq_scale.train.feed import job_tmp_dir
 
     engine, uninterrupted = uninterrupted
-    run_dir = tmp_path / "killed"
-    args = train_args(run_dir, sample_dataset, "nonlinear", f"train.engine={engine}")
-    kill_after_checkpoint(run_dir, args, 2, step=CHECKPOINT)
-    assert job_tmp_dir(run_dir).is_dir()
-    out = run_to_end(args, 2)
+    run_dir, _ = killed
+    out = run_to_end(train_args(run_dir, sample_dataset, "nonlinear", f"train.engine={engine}"), 2)
     assert not job_tmp_dir(run_dir).exists() and not job_tmp_dir(uninterrupted).exists()
     assert "resuming from" in out and f"step_{CHECKPOINT}" in out
     a, b = read_metrics(uninterrupted), read_metrics(run_dir)
@@ -122,12 +134,11 @@ def test_sigkill_and_relaunch_is_bit_exact(uninterrupted, sample_dataset, tmp_pa
 
 
 @pytest.mark.slow
-def test_saved_at_two_ranks_resumes_at_one(uninterrupted, sample_dataset, tmp_path):
+def test_saved_at_two_ranks_resumes_at_one(uninterrupted, killed, sample_dataset, tmp_path):
     engine, uninterrupted = uninterrupted
     run_dir = tmp_path / "resharded"
-    args = train_args(run_dir, sample_dataset, "nonlinear", f"train.engine={engine}")
-    kill_after_checkpoint(run_dir, args, 2, step=CHECKPOINT)
-    run_to_end(args, 1)
+    shutil.copytree(killed[1], run_dir)
+    run_to_end(train_args(run_dir, sample_dataset, "nonlinear", f"train.engine={engine}"), 1)
     a, b = read_metrics(uninterrupted), read_metrics(run_dir)
     assert last_by_step(b, "data/hash") == last_by_step(a, "data/hash")  # same stream at dp 1 and 2
     want, got = last_by_step(a, "val/loss"), last_by_step(b, "val/loss")
@@ -185,12 +196,19 @@ def test_saved_at_tp2_or_pp2_resumes_at_dp2_within_tolerance(uninterrupted, samp
         assert [c["changes"] for c in changes] == [want_changes], saved_at
 
 
+@pytest.fixture(scope="module")
+def linear_run(tmp_path_factory, sample_dataset) -> Path:
+    """The linear arm, one rank, a shorter run (past cpu-xs warm-up) than `uninterrupted`'s: once for
+    both engines' runs, which must see the same stream."""
+    run_dir = tmp_path_factory.mktemp("train") / "linear"
+    run_to_end(train_args(run_dir, sample_dataset, "linear", "train.steps=11"), 1)
+    return run_dir
+
+
 @pytest.mark.slow
-def test_two_arms_see_identical_batches(uninterrupted, sample_dataset, tmp_path):
+def test_two_arms_see_identical_batches(uninterrupted, linear_run):
     _, uninterrupted = uninterrupted
-    run_dir = tmp_path / "linear"
-    run_to_end(train_args(run_dir, sample_dataset, "linear", "train.steps=11"), 1)  # a shorter run (past cpu-xs warm-up): the same prefix
-    linear = last_by_step(read_metrics(run_dir), "data/hash")
+    linear = last_by_step(read_metrics(linear_run), "data/hash")
     nonlinear = last_by_step(read_metrics(uninterrupted), "data/hash")
     assert linear == {s: nonlinear[s] for s in linear} and len(linear) == 11
 
