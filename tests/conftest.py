@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes.util
+import functools
+import multiprocessing
+import multiprocessing.context
 import os
 import subprocess
 import sys
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nlq_scale.runtime.allocator import TCMALLOC
+from nlq_scale.runtime.allocator import TCMALLOC, preload_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -149,29 +152,92 @@ def single_rank():
         yield
 
 
+# What the rank scripts import, loaded once per pytest worker by the forkserver the ranks are forked
+# from: ~7 CPU-s a megatron rank and ~10 a DeepSpeed one (the Muon module DeepSpeed's ZeRO imports
+# compiles at import) that ~60 ranks would each pay again. A name upstream renames is skipped.
+ZYGOTE_PRELOAD = [
+    "torch", "torch._dynamo", "megatron.core", "deepspeed", "deepspeed.runtime.zero.muon.original_muon",
+    "nlq_scale.train.engine_megatron", "nlq_scale.train.engine_deepspeed", "tests.scripts.deepspeed_engine",
+]  # fmt: skip
+
+
+@functools.cache
+def _zygote() -> multiprocessing.context.ForkServerContext:
+    """The forkserver, started on the allocator the ranks run (rank_env's LD_PRELOAD, fixed when a
+    process starts). It imports, never computes, so its child has no thread pool or process group."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(ZYGOTE_PRELOAD)
+    from multiprocessing import forkserver
+
+    with _environ(preload_env("auto", dict(os.environ))):
+        forkserver.ensure_running()
+    return context
+
+
+def _rank_main(script: str, args: list[str], env: dict[str, str], log: str) -> None:
+    """A rank forked from the zygote: the environment, output and arguments of `python script args`.
+    The intra-op threads are set here, since the OMP_NUM_THREADS the zygote started with is read once."""
+    import runpy
+
+    import torch
+
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    out = os.open(log, os.O_WRONLY | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+class _Forked:
+    """A forked rank through the part of subprocess.Popen's interface launch.wait_ranks uses."""
+
+    def __init__(self, process: multiprocessing.Process):
+        self.process = process
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.process.name, timeout)
+        return self.process.exitcode
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
 def run_ranks(script: str, nproc: int, *args: str, timeout: float = 600) -> None:
-    """Run tests/scripts/<script> as `nproc` gloo ranks; fail with the ranks' output otherwise.
-    A rank that fails stops the others at once (a lone rank would wait for its peers until the timeout)."""
+    """Run tests/scripts/<script> as `nproc` gloo ranks, forked from the zygote; fail with the ranks'
+    output otherwise. A rank that fails stops the others at once (a lone rank would wait for its
+    peers until the timeout)."""
     from nlq_scale.runtime.launch import hosted_store, rank_env, wait_ranks
 
+    context = _zygote()
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs, hosted_store() as port:
-        files = [open(Path(logs) / f"rank{r}.log", "w+") for r in range(nproc)]  # a pipe could fill and block
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(SCRIPTS / script), *args],
-                env=rank_env(r, nproc, port) | {"PYTHONPATH": str(REPO)},
-                stdout=files[r],
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(nproc)
-        ]
+        paths = [Path(logs) / f"rank{r}.log" for r in range(nproc)]  # a pipe could fill and block
+        procs = []
+        for r, path in enumerate(paths):
+            path.touch()
+            process = context.Process(
+                target=_rank_main, args=(str(SCRIPTS / script), list(args), rank_env(r, nproc, port), str(path)),
+                name=f"rank{r}",
+            )  # fmt: skip
+            process.start()
+            procs.append(_Forked(process))
         code = wait_ranks(procs, grace_s=10, timeout_s=timeout)
-        outputs = []
-        for f in files:
-            f.seek(0)
-            outputs.append(f.read())
-            f.close()
+        outputs = [path.read_text() for path in paths]
     if code != 0:
         exits = ", ".join(f"rank {i} exited {p.returncode}" for i, p in enumerate(procs) if p.returncode)
         problem = f"ranks still running after {timeout:.0f} s" if code is None else exits
