@@ -265,8 +265,10 @@ def markdown(comp: Comparison, plots: dict[str, str]) -> str:
         f"Reference arm: **{comp.reference}**. Runs found: {len(comp.verdicts)}; compared: {n_in}; "
         f"left out: {len(comp.verdicts) - n_in}. Each arm is compared at its own best learning rate per scale.",
         f"Intervals: {o.level:.0%} percentile bootstrap, {o.resamples} resamples of the seeds within each "
-        f"arm x scale cell (numpy default_rng seed {o.seed}). Divergence margin: {o.divergence_margin} nats above "
-        f"the running best. Positive improvement = lower loss than {comp.reference}. See docs/analysis.md.",
+        f"arm x scale cell (numpy default_rng seed {o.seed}), the resampled means widened to the Student-t "
+        f"spread of the cell's seeds (with 2-5 seeds a plain bootstrap is far too narrow). Divergence margin: "
+        f"{o.divergence_margin} nats above the running best. Positive improvement = lower loss than "
+        f"{comp.reference}. See docs/analysis.md.",
         "## Findings",
         "\n".join(f"- {line}" for line in findings(comp)),
         "## What these runs can and cannot conclude",
