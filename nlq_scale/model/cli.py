@@ -7,7 +7,16 @@ import argparse
 from pathlib import Path
 
 from nlq_scale.errors import check_creatable
-from nlq_scale.model.coord import HEAD_DIM, MUP_FLAT, STANDARD_STEEP, CoordCheckSpec
+from nlq_scale.model.coord import (
+    HEAD_DIM,
+    MUP_DECAY,
+    MUP_GROWTH,
+    MUP_INIT,
+    READOUT,
+    READOUT_INIT,
+    STANDARD_STEEP,
+    CoordCheckSpec,
+)
 
 PARAMETRIZATIONS = ("standard", "mup")
 
@@ -38,7 +47,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--png", default=None, metavar="PATH",
                    help="plot of the curves (default coord-check-<arm>.png in the current directory)")
     c.add_argument("--check", action="store_true",
-                   help="exit 1 unless muP keeps every |slope| < 0.1 and standard has one > 0.2")
+                   help=f"exit 1 unless muP is flat at init but the readout (slope {READOUT_INIT}) and, after "
+                        f"training, no slope is over {MUP_GROWTH} or under {MUP_DECAY}, and standard has one "
+                        f"|slope| over {STANDARD_STEEP}")
     c.add_argument("--json", action="store_true", help="one JSON document on stdout")
     c.set_defaults(func=run_coord_check)
 
@@ -143,20 +154,35 @@ def run_coord_check(args: argparse.Namespace) -> int:
 
 def _print_slopes(result: dict) -> None:
     names = list(result["parametrizations"])
-    print(f"coord check: {result['arm']}, widths {result['widths']}, {result['steps']} steps at lr {result['lr']}")
-    print(f"  {'module':<44}" + "".join(f"{n + ' act':>14}{n + ' upd':>14}" for n in names))
-    modules = result["parametrizations"][names[0]]["modules"]
-    for role in modules:
-        cells = "".join(f"{result['parametrizations'][n]['modules'][role]['slope']:>+14.3f}"
-                        f"{result['parametrizations'][n]['modules'][role]['update_slope']:>+14.3f}" for n in names)
+    print(f"coord check: {result['arm']}, widths {result['widths']}, {result['steps']} steps at lr {result['lr']}, "
+          f"seeds {_csv(result['seeds'])}")
+    columns = [(n, key, f"{n} {label}") for n in names for key, label in
+               (("init_slope", "init"), ("slope", "act"), ("update_slope", "upd"))]  # fmt: skip
+    print(f"  {'module':<44}" + "".join(f"{title:>15}" for *_, title in columns))
+    for role in result["parametrizations"][names[0]]["modules"]:
+        cells = "".join(f"{result['parametrizations'][n]['modules'][role][key]:>+15.3f}" for n, key, _ in columns)
         print(f"  {role:<44}{cells}")
     for n in names:
         p = result["parametrizations"][n]
-        where, interval = f"{p['steepest']['module']} {p['steepest']['slope']}", p["steepest"]["interval"]
-        if interval is not None:
-            where += f"; 95% seed-bootstrap interval {interval[0]:+.3f} to {interval[1]:+.3f}"
-        print(f"  {n}: max |slope| {p['max_abs_slope']:.3f} ({where})")
-    goals = {"mup_flat": f"muP: every |slope| < {MUP_FLAT}", "standard_drifts": f"standard: some |slope| > {STANDARD_STEEP}"}
+        print(f"  {n}: max |slope| {p['max_abs_slope']:.3f} ({_where(p['steepest'])})")
+        if n == "mup":
+            print(f"  mup: largest growth {p['growth']['value']:+.3f} ({_where(p['growth'])}), "
+                  f"steepest fall {p['decay']['value']:+.3f} ({_where(p['decay'])})")
+            print(f"  mup at init: max |slope| {abs(p['init']['value']):.3f} ({p['init']['module']}), "
+                  f"{READOUT} {p['readout_init_slope']:+.3f}")
+    goals = {
+        "mup_init_flat": f"muP at init: every |slope| < {MUP_INIT}, {READOUT} within {MUP_INIT} of {READOUT_INIT}",
+        "mup_no_growth": f"muP: every slope < {MUP_GROWTH}",
+        "mup_decay_bounded": f"muP: every slope > {MUP_DECAY}",
+        "standard_drifts": f"standard: some |slope| > {STANDARD_STEEP}",
+    }
     for key, ok in result["verdict"].items():
         print(f"  {goals[key]}: {'yes' if ok else 'NO'}")
     print(f"  plot: {result['png']}")
+
+
+def _where(pick: dict) -> str:
+    where, interval = f"{pick['module']} {pick['slope']}", pick["interval"]
+    if interval is not None:
+        where += f"; 95% seed-bootstrap interval {interval[0]:+.3f} to {interval[1]:+.3f}"
+    return where
