@@ -66,12 +66,13 @@ MISTAKES = {  # a muP mistake -> (what to patch, the verdict part that must fail
 def test_coord_check_catches_a_wrong_power_of_width(single_rank, monkeypatch, mistake):
     """Each part of the muP verdict fails on the kind of mistake it is there for (docs/mup.md has
     seven more): an arm matrix at the base learning rate grows, a learning rate scaled twice falls
-    as 1/w, and logits scaled by 1/sqrt(w) stay flat at init."""
+    as 1/w, and logits scaled by 1/sqrt(w) stay flat at init. One seed: each misses its threshold
+    by 0.4 or more (measured with four)."""
     from nlq_scale.model import coord
 
     attribute, patched, fails = MISTAKES[mistake]
     monkeypatch.setattr(mup, attribute, patched())
-    result = coord.check(coord.CoordCheckSpec(arm="nonlinear", parametrizations=("mup",), seeds=(1, 2)))
+    result = coord.check(coord.CoordCheckSpec(arm="nonlinear", parametrizations=("mup",), seeds=(1,)))
     assert result["verdict"][fails] is False, result["parametrizations"]["mup"][
         {"mup_no_growth": "growth", "mup_decay_bounded": "decay", "mup_init_flat": "init"}[fails]
     ]
@@ -138,8 +139,7 @@ def test_coord_check_cli_writes_json_and_plot(tmp_path):
      (["--steps", "0"], "--steps"), (["--arm", "bogus"], "bogus")],
 )  # fmt: skip
 def test_coord_check_bad_arguments_exit_2(args, message):
-    from tests.conftest import nlq
+    from tests.conftest import refused
 
     base = {"--arm": "linear"}
-    r = nlq("coord-check", *[x for k, v in base.items() if k not in args for x in (k, v)], *args)
-    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert message in refused("coord-check", *[x for k, v in base.items() if k not in args for x in (k, v)], *args)
