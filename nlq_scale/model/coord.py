@@ -7,7 +7,7 @@ averaged over layers) at init, after training, and its change since init. The sl
 log(mean |.|) against log(width) says how each one scales.
 
 What muP predicts at a finite width, and so what the verdict asks of it: at init every module is
-flat but the readout, whose logits (1/w times a sum of d terms of random sign) fall as width^-1/2;
+flat but the readout, whose logits (1/w times a sum of w terms of random sign) fall as width^-1/2;
 after training nothing grows, and a module may fall, but no faster than width^-1/2. That fall is
 the finite-width part of Adam's updates: the part of an update incoherent with the probe's inputs
 moves a coordinate by ~width^-1/2 of the coherent part, and being independent of it, it adds to a
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,13 +66,8 @@ class CoordCheckSpec:
     seeds: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
-@dataclass
-class Curves:
-    """Per statistic (init, activation, update) and module role: [width][seed] values."""
-
-    values: dict[str, dict[str, list[list[float]]]] = field(
-        default_factory=lambda: {stat: defaultdict(list) for stat in STATS}
-    )
+# Per statistic (STATS) and module role: [width][seed] values.
+Curves = dict[str, dict[str, list[list[float]]]]
 
 
 def run_config(spec: CoordCheckSpec, parametrization: str, width: int, seed: int) -> RunConfig:
@@ -224,13 +219,13 @@ def check(spec: CoordCheckSpec) -> dict:
     result = {"arm": spec.arm, "widths": list(spec.widths), "steps": spec.steps, "lr": spec.lr,
               "seeds": list(spec.seeds), "head_dim": HEAD_DIM, "parametrizations": {}}  # fmt: skip
     for parametrization in spec.parametrizations:
-        curves = Curves()
+        curves: Curves = {stat: defaultdict(list) for stat in STATS}
         for width in spec.widths:
             per_seed = [measure_width(spec, parametrization, width, seed) for seed in spec.seeds]
-            for stat, by_role in curves.values.items():
+            for stat, by_role in curves.items():
                 for role in per_seed[0][stat]:
                     by_role[role].append([m[stat][role] for m in per_seed])
-        modules = {role: _module(spec.widths, curves, role) for role in curves.values["activation"]}
+        modules = {role: _module(spec.widths, curves, role) for role in curves["activation"]}
         result["parametrizations"][parametrization] = _summarize(modules)
     result["verdict"] = verdict(result)
     return result
@@ -240,7 +235,7 @@ def _module(widths: list[int], curves: Curves, role: str) -> dict:
     """One module's seed-mean curves, their slopes and the slopes' seed-bootstrap intervals."""
     out = {}
     for stat, prefix in STATS.items():
-        per_seed = np.array(curves.values[stat][role]).T  # [seed, width]
+        per_seed = np.array(curves[stat][role]).T  # [seed, width]
         mean = [float(v) for v in per_seed.mean(axis=0)]
         out[stat] = mean
         out[f"{prefix}slope"] = slope(widths, mean)
