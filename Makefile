@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # workers finish the suite sooner even on 2 cores; TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup tcmalloc test test-fast quickstart bench clean-venv
+.PHONY: setup tcmalloc test test-fast test-portability quickstart bench clean-venv
 
 setup: $(STAMP)
 
@@ -36,6 +36,25 @@ test: setup
 # Local inner loop: skip multi-process and SLURM tests.
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The suite under the other numeric environments a machine of this kind may give it: torch's
+# non-vectorised CPU kernels, glibc's malloc instead of tcmalloc (a user's LD_PRELOAD wins over
+# runtime.cpu_allocator: auto), and one OpenMP thread (the fast tests; ranks set their own). Each is
+# a whole suite run, so CI does not run them: `make -k test-portability` runs all three,
+# `make portability-glibc` one.
+PORTABILITY := default-kernels glibc one-thread
+ENV_default-kernels := ATEN_CPU_CAPABILITY=default
+ENV_glibc := LD_PRELOAD=libc.so.6
+ENV_one-thread := OMP_NUM_THREADS=1
+SUITE_default-kernels := -n $(TEST_WORKERS) --dist loadfile
+SUITE_glibc := -n $(TEST_WORKERS) --dist loadfile
+SUITE_one-thread := -m "not slow"
+test-portability: $(addprefix portability-,$(PORTABILITY))
+portability-%: setup
+	@env $(ENV_$*) $(BIN)/python -c "import torch; from nlq_scale.runtime.allocator import loaded_allocator as a; \
+	  print('== portability-$*: $(ENV_$*): kernels', torch.backends.cpu.get_cpu_capability(), '| allocator', a(), \
+	        '| threads', torch.get_num_threads())"
+	env $(ENV_$*) $(BIN)/pytest -q $(SUITE_$*) $(PYTEST_ARGS)
 
 quickstart: setup
 	$(BIN)/nlq-scale quickstart

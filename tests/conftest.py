@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nlq_scale.runtime.allocator import TCMALLOC, preload_env
+from nlq_scale.runtime.allocator import PRELOAD, TCMALLOC, preload_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -39,8 +39,12 @@ TINY_MODEL = [
 ]
 
 
-# What runtime.cpu_allocator: auto gives a training process on this machine.
-AUTO_ALLOCATOR = "tcmalloc" if ctypes.util.find_library(TCMALLOC) else "system"
+# What runtime.cpu_allocator: auto gives a training process on this machine with no LD_PRELOAD of
+# its own, and in this test session's environment (a user's LD_PRELOAD wins: `make test-portability`
+# runs the suite with glibc's malloc that way).
+INSTALLED_ALLOCATOR = "tcmalloc" if ctypes.util.find_library(TCMALLOC) else "system"
+AUTO_ALLOCATOR = next((name for name in ("tcmalloc", "jemalloc")
+                       if f"lib{name}" in preload_env("auto", dict(os.environ)).get(PRELOAD, "")), "system")  # fmt: skip
 
 SLURM_FILES = frozenset({"tests/test_cluster_reliability.py", "tests/test_cluster_slurm.py",
                          "tests/test_data_parallel_prepare.py"})

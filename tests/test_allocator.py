@@ -10,13 +10,13 @@ import pytest
 
 from nlq_scale.runtime.allocator import PRELOAD, preload_env
 from nlq_scale.runtime.launch import launch_local
-from tests.conftest import AUTO_ALLOCATOR
+from tests.conftest import INSTALLED_ALLOCATOR
 
 # A rank that exits 0 only when it runs the allocator named in its argument.
 RANK = ["-c", "import sys; from nlq_scale.runtime.allocator import loaded_allocator as a; sys.exit(a() != sys.argv[1])"]
 
 
-CHOICES = [("auto", AUTO_ALLOCATOR), ("system", "system")]
+CHOICES = [("auto", INSTALLED_ALLOCATOR), ("system", "system")]
 
 
 @pytest.mark.parametrize("choice, runs", CHOICES)
