@@ -19,16 +19,19 @@ class RunFailure(Exception):
     """A failure at run time that is not the user's input. The CLI prints one line and exits 1."""
 
 
-def check_creatable(path: Path, flag: str) -> None:
+def check_creatable(path: Path, flag: str, directory: bool = True) -> None:
     """UsageError naming `flag` unless `path` exists or can be created, before any work is done: its
-    nearest existing ancestor must be a directory a file can be created in. Tried with a temporary file,
-    not read from permission bits, which root and read-only or virtual file systems make misleading."""
+    nearest existing ancestor must be a directory a file can be created in, and a `directory` that
+    exists already must be one. Tried with a temporary file, not read from permission bits, which root
+    and read-only or virtual file systems make misleading."""
     target = ancestor = Path(os.path.abspath(path))
+    if directory and target.exists() and not target.is_dir():
+        raise UsageError(f"{flag} {path}: exists and is not a directory (nothing overwritten)")
     while not ancestor.exists():
         ancestor = ancestor.parent
     if ancestor != target and not ancestor.is_dir():
         raise UsageError(f"{flag} {path}: {ancestor} is not a directory")
-    where = ancestor if ancestor.is_dir() else ancestor.parent  # an existing file: its folder
+    where = ancestor if ancestor.is_dir() else ancestor.parent  # an existing file (not a `directory`): its folder
     try:
         with tempfile.TemporaryFile(dir=where):
             pass
@@ -40,3 +43,12 @@ def first_line(err: BaseException) -> str:
     """An exception's first message line, or its type's name where it has none: for one-line errors."""
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
+
+
+def existing_directory(path: Path) -> Path:
+    """`path`, which a command reads (a root of runs), or UsageError saying what it is instead."""
+    if not path.exists():
+        raise UsageError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise UsageError(f"{path}: not a directory")
+    return path

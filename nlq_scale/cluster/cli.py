@@ -271,11 +271,9 @@ def _fail_unless_completed(records: list[dict], sweep_dir: Path, executor: str) 
 def cmd_status(args: argparse.Namespace) -> int:
     from nlq_scale.cli import emit_json
     from nlq_scale.cluster.status import collect, format_table
-    from nlq_scale.errors import UsageError
+    from nlq_scale.errors import existing_directory
 
-    root = Path(args.root)
-    if not root.is_dir():
-        raise UsageError(f"{root}: no such directory")
+    root = existing_directory(Path(args.root))
     if args.watch is not None:
         return _watch(root.resolve(), args.stale_after, args.watch)
     rows = collect(root.resolve(), args.stale_after)
@@ -308,11 +306,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from nlq_scale.cli import emit_json
     from nlq_scale.cluster.executors import JOB_FILE, cancel_job, job_liveness, read_json
     from nlq_scale.cluster.status import find_run_dirs
-    from nlq_scale.errors import UsageError
+    from nlq_scale.errors import UsageError, existing_directory
 
-    root = Path(args.root).resolve()
-    if not root.is_dir():
-        raise UsageError(f"{args.root}: no such directory")
+    root = existing_directory(Path(args.root)).resolve()
     dirs = [d for d in find_run_dirs(root) if (d / JOB_FILE).exists()]
     alive = job_liveness(dirs)
     unknown = [d.name for d in dirs if alive.get(d) is None]

@@ -138,7 +138,7 @@ def run_coord_check(args: argparse.Namespace) -> int:
 
     load_run_config("cpu-xs", args.arm)  # an unknown arm fails here, in one line
     png = args.png or f"coord-check-{args.arm}.png"
-    check_creatable(Path(png), "--png")
+    check_creatable(Path(png), "--png", directory=False)
     spec = coord.CoordCheckSpec(arm=args.arm, parametrizations=args.parametrization, widths=args.widths,
                                 steps=args.steps, lr=args.lr, seeds=args.seeds)  # fmt: skip
     with distributed(ParallelConfig()):
