@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import re
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.analysis_rundirs import make_sweep, power_law_truth
-from tests.conftest import REPO, refused
+from tests.conftest import REPO, cli, refused
+from tests.test_data_helpers import documents, write_jsonl
 
 # ---------------------------------------------------------------------------------------------
 # 1. a path that exists as a regular file where a directory is wanted
@@ -55,3 +59,78 @@ def test_a_file_where_a_directory_goes_is_one_line_and_kept(command, tmp_path, m
     err = refused(*args)
     assert str(a_file) in err and re.search(r"not an? (empty )?directory", err), err
     assert a_file.read_text() == "kept"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. what is written for others: the modes of any other file of the user (umask 022: 0644 / 0755)
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def unreadable_to_others(root: Path) -> list[str]:
+    """What under `root` is not as a plain file (0644) or directory (0755) of the user is, under umask 022."""
+    paths = [root, *root.rglob("*")]
+    modes = {p: stat.S_IMODE(p.lstat().st_mode) for p in paths if not p.is_symlink()}
+    return [f"{mode:o} {p}" for p, mode in modes.items() if mode != (0o755 if p.is_dir() else 0o644)]
+
+
+def test_compare_writes_a_report_others_can_read(tmp_path, umask_022):
+    make_sweep(tmp_path / "runs", power_law_truth(2.0, 50.0, 0.1, {"nonlinear": 1.2}), ["linear", "nonlinear"],
+               ["t1", "t2"], [1, 2])
+    r = cli("compare", str(tmp_path / "runs"), "--out", str(tmp_path / "report"), "--bootstrap", "50")
+    assert r.returncode == 0, r.stderr
+    assert unreadable_to_others(tmp_path / "report") == []
+
+
+def test_import_csv_writes_a_run_directory_others_can_read(tmp_path, umask_022):
+    r = cli("import-csv", str(write_csv(tmp_path / "log.csv")), "--arm", "linear", "--scale", "124m", "--seed", "1", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert unreadable_to_others(tmp_path / "out") == []
+
+
+def test_prepare_data_writes_a_dataset_others_can_read(tmp_path, umask_022):
+    docs = write_jsonl(tmp_path / "docs.jsonl", documents(60))
+    r = cli("prepare-data", "--source", "jsonl", "--input", str(docs), "--out", str(tmp_path / "ds"), "--seq-len", "64",
+            "--val-fraction", "0.2", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert unreadable_to_others(tmp_path / "ds") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# one real run (cpu-xs, a few steps, W&B offline) for what training prints, exports and leaves behind
+
+DOC_RUN_DIR, DOC_DATA = "runs/first", "data/sample-64"
+TRANSCRIPT_ARGS = ("train", "--scale", "cpu-xs", "--arm", "linear", "--run-dir", DOC_RUN_DIR, f"data.path={DOC_DATA}",
+                   "train.steps=6", "train.warmup_steps=2", "train.eval_every=3", "train.log_every=2")
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, sample_dataset) -> tuple[Path, str]:
+    """The documented run trained under umask 022: its run directory and what it printed (stdout and
+    stderr, in order)."""
+    run_dir = tmp_path_factory.mktemp("first") / "runs" / "first"
+    args = [a.replace(DOC_RUN_DIR, str(run_dir)).replace(DOC_DATA, str(sample_dataset)) for a in TRANSCRIPT_ARGS]
+    old = os.umask(0o022)
+    try:
+        r = subprocess.run([sys.executable, "-m", "nlq_scale.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=600,
+                           env=os.environ | {"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    finally:
+        os.umask(old)
+    assert r.returncode == 0, r.stdout[-3000:]
+    printed = r.stdout.replace(str(run_dir), DOC_RUN_DIR).replace(str(sample_dataset), DOC_DATA)
+    return run_dir, printed
+
+
+@pytest.mark.slow  # trains
+def test_a_run_and_its_export_are_readable_by_others(first_run, tmp_path, umask_022):
+    run_dir, _ = first_run
+    assert unreadable_to_others(run_dir) == []
+    r = cli("export", str(run_dir), "--out", str(tmp_path / "export"))
+    assert r.returncode == 0, r.stderr
+    assert unreadable_to_others(tmp_path / "export") == []

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +15,7 @@ from nlq_scale.arms import baseline
 from nlq_scale.config.load import build_run_config
 from nlq_scale.config.schema import ARMS
 from nlq_scale.errors import UsageError
+from nlq_scale.files import staged_dir
 from nlq_scale.train.rundir import write_config, write_manifest, write_metrics, write_status
 
 Column = list[float | None]  # None = empty cell (not recorded on that row)
@@ -102,13 +100,8 @@ def import_csv(spec: ImportSpec) -> Path:
     if dest.exists():
         raise UsageError(f"{dest}: already exists (remove it or import under another --out)")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
-    try:
+    with staged_dir(dest) as tmp:
         _write_run_dir(tmp, spec, records)
-        os.rename(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return dest
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nlq_scale.analysis.compare import ArmFit, Cell, Comparison, Estimate, Gap, Multiplier, Trend, join_notes
 from nlq_scale.analysis.lr import LrOptimum, LrScaling
+from nlq_scale.files import atomic_write, replacing
 
 SUMMARY_VERSION = 1
 
@@ -398,24 +398,6 @@ def _runs_table(comp: Comparison) -> str:
 # writing
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _write_text(path: Path, text: str) -> None:
-    def write(tmp: str) -> None:
-        Path(tmp).write_text(text)
-
-    _atomic_write(path, write)
-
-
 def write_report(comp: Comparison, out_dir: Path) -> ReportPaths:
     from nlq_scale.analysis import plots as plotting
 
@@ -423,13 +405,14 @@ def write_report(comp: Comparison, out_dir: Path) -> ReportPaths:
     saved: dict[str, Path] = {}
     for stem, fig in plotting.figures(comp).items():
         path = out_dir / f"{stem}.png"
-        _atomic_write(path, lambda tmp, fig=fig: fig.savefig(tmp, dpi=120, format="png"))
+        with replacing(path) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
         plotting.close(fig)
         saved[stem] = path
     names = {stem: p.name for stem, p in saved.items()}
     report, summary_path = out_dir / "report.md", out_dir / "summary.json"
-    _write_text(summary_path, json.dumps(summary(comp, names), indent=2) + "\n")
-    _write_text(report, markdown(comp, names))
+    atomic_write(summary_path, json.dumps(summary(comp, names), indent=2) + "\n")
+    atomic_write(report, markdown(comp, names))
     return ReportPaths(report, summary_path, saved)
 
 

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 from pathlib import Path
 
 from nlq_scale.errors import UsageError, check_creatable
+from nlq_scale.files import staged_dir
 
 FORMATS = ("hf",)
 
@@ -56,12 +55,8 @@ def run_export(args: argparse.Namespace) -> int:
     ckpt = find_checkpoint(args.run_dir, args.step)
     # Written beside --out and renamed into place: a failed export leaves no half directory.
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    staging = tempfile.TemporaryDirectory(dir=args.out.parent, prefix=f".{args.out.name}.", ignore_cleanup_errors=True)
-    with staging as tmp:
-        model = export_checkpoint(ckpt, Path(tmp))
-        if args.out.exists():
-            args.out.rmdir()  # empty, checked above
-        shutil.move(tmp, args.out)
+    with staged_dir(args.out) as tmp:  # an existing --out is empty, checked above
+        model = export_checkpoint(ckpt, tmp)
     kind = stock_class(ckpt.cfg.model) or "remote code (trust_remote_code=True)"
     print(f"exported {ckpt.path} -> {args.out} ({type(model).__name__}, {kind})")
     return 0

@@ -18,6 +18,7 @@ import yaml
 from nlq_scale.config.load import build_run_config, dump_run_config, read_yaml
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
+from nlq_scale.files import atomic_write
 from nlq_scale.runtime.allocator import loaded_allocator
 
 STATES = ("pending", "running", "preempted", "diverged", "completed", "failed")
@@ -50,15 +51,6 @@ OPERATIONAL_OPTIONS = (".fuse_up",)
 # interval includes its evals and checkpoint saves), and never sooner than STALE_FLOOR_S.
 STALE_STEPS = 10
 STALE_FLOOR_S = 300.0
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # after a failed write (a full disk): no stray half file
 
 
 def write_json(path: Path, obj: Any) -> None:
