@@ -4,16 +4,20 @@ does not get in the way of `compare` or `status`."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import socket
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tests.analysis_rundirs import make_sweep, power_law_truth
+from tests.analysis_rundirs import make_config, make_sweep, power_law_truth, write_run_dir
 from tests.conftest import REPO, cli, refused
 from tests.test_data_helpers import documents, write_jsonl
 
@@ -134,3 +138,59 @@ def test_a_run_and_its_export_are_readable_by_others(first_run, tmp_path, umask_
     r = cli("export", str(run_dir), "--out", str(tmp_path / "export"))
     assert r.returncode == 0, r.stderr
     assert unreadable_to_others(tmp_path / "export") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. what training prints
+
+
+def test_compare_prints_its_findings(tmp_path):
+    make_sweep(tmp_path / "runs", power_law_truth(2.0, 50.0, 0.1, {"nonlinear": 1.2}), ["linear", "nonlinear"],
+               ["t1", "t2"], [1, 2])
+    r = cli("compare", str(tmp_path / "runs"), "--bootstrap", "50")
+    assert r.returncode == 0, r.stderr
+    assert "nonlinear vs linear" in r.stdout.split("report:")[0], r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. an interrupted run
+
+
+def killed_copy(where: Path) -> Path:
+    """What a SIGKILLed second launch of the same run leaves: its config, part of its curve, status running."""
+    cfg = make_config("linear", "t1", 1, 1e-3)
+    return write_run_dir(where, cfg, np.array([20, 40]), np.array([6.0, 5.0]), state="running")
+
+
+def test_compare_prefers_the_completed_run_to_a_killed_copy(tmp_path):
+    make_sweep(tmp_path / "runs", power_law_truth(2.0, 50.0, 0.1), ["linear"], ["t1"], [1, 2])
+    copy = killed_copy(tmp_path / "elsewhere")
+    r = cli("compare", str(tmp_path / "runs"), str(tmp_path / "elsewhere"), "--out", str(tmp_path / "report"))
+    assert r.returncode == 0, r.stderr
+    assert f"set aside {copy}" in r.stderr and "completed" in r.stderr
+
+
+def test_compare_leaves_out_runs_by_id_or_path(tmp_path):
+    runs = make_sweep(tmp_path / "runs", power_law_truth(2.0, 50.0, 0.1), ["linear"], ["t1"], [1, 2, 3])
+    shutil.copytree(runs[0], tmp_path / "again" / "one")  # two completed copies: which one is for the user to say
+    err = refused("compare", str(tmp_path / "runs"), str(tmp_path / "again"), "--out", str(tmp_path / "report"))
+    assert "--exclude" in err
+    r = cli("compare", str(tmp_path / "runs"), str(tmp_path / "again"), "--exclude", str(tmp_path / "again" / "one"),
+            "--exclude", runs[1].name, "--json", "--out", str(tmp_path / "report"))
+    assert r.returncode == 0, r.stderr
+    (cell,) = json.loads(r.stdout)["cells"]
+    assert cell["seeds"] == [1, 3]
+    assert "--exclude nothing" in refused("compare", str(tmp_path / "runs"), "--exclude", "nothing")
+
+
+def test_status_shows_a_local_run_whose_process_is_gone_as_dead(tmp_path):
+    """The run's process records itself in status.json and dies (as under SIGKILL) while running."""
+    run_dir = tmp_path / "root" / "run"
+    run_dir.mkdir(parents=True)
+    code = ("import sys; from pathlib import Path; from nlq_scale.train.rundir import Status\n"
+            "Status(Path(sys.argv[1]), 10, 1).update(state='running')\n")
+    subprocess.run([sys.executable, "-c", code, str(run_dir)], check=True, cwd=REPO)
+    r = cli("status", str(tmp_path / "root"), "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)["runs"]
+    assert row["state"] == "dead" and socket.gethostname() in row["error"], row

@@ -4,6 +4,7 @@ are imported inside the handlers."""
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 
 from nlq_scale.errors import RunFailure, UsageError, check_creatable
@@ -39,6 +40,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "not identifiable from its points")
     p.add_argument("--group", metavar="SWEEP", help="only the runs of this sweep (their W&B group), e.g. one sweep "
                    "of a W&B project that holds several")
+    p.add_argument("--exclude", action="append", default=[], metavar="ID|PATH",
+                   help="leave out this run, by its id or its directory (repeatable)")
     p.add_argument("--wandb", action="store_true", help="also log the tables and plots to a W&B run")
     p.add_argument("--wandb-project", default="nlq-scale")
     p.set_defaults(func=_compare)
@@ -90,7 +93,7 @@ def _import_csv(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from nlq_scale.analysis.compare import Options, compare
-    from nlq_scale.analysis.report import summary, write_report
+    from nlq_scale.analysis.report import findings, limits, summary, write_report
     from nlq_scale.analysis.runs import load_runs
     from nlq_scale.cli import emit_json
 
@@ -106,7 +109,7 @@ def _compare(args: argparse.Namespace) -> int:
     )
     out = args.out or _default_out(args.roots[0])
     check_creatable(out, "--out")
-    comp = compare(load_runs(args.roots, args.group), options)
+    comp = compare(load_runs(args.roots, args.group, args.exclude), options)
     paths = write_report(comp, out)
     if args.wandb:
         from nlq_scale.analysis.report import log_to_wandb
@@ -115,6 +118,7 @@ def _compare(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(summary(comp, {stem: str(p) for stem, p in paths.plots.items()}))
     else:
+        print(textwrap.fill(" ".join(findings(comp) or limits(comp)), width=100), end="\n\n")
         print(f"report:  {paths.report}")
         print(f"summary: {paths.summary}")
         for path in paths.plots.values():

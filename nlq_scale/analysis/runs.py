@@ -88,10 +88,10 @@ class Run:
 # discovery
 
 
-def load_runs(roots: Iterable[str], group: str | None = None) -> list[Run]:
+def load_runs(roots: Iterable[str], group: str | None = None, exclude: Iterable[str] = ()) -> list[Run]:
     """Every run under the given roots; a root is a directory, a run directory, a W&B run
     directory or `.wandb` file, or `wandb:ENTITY/PROJECT` for an online project. `group`: only the
-    runs of that sweep (the W&B group its runs carry)."""
+    runs of that sweep (the W&B group its runs carry); `exclude`: runs left out, by id or path."""
     runs: list[Run] = []
     for root in roots:
         found = _load_online(root[len(WANDB_PREFIX):], group) if root.startswith(WANDB_PREFIX) else _load_local(Path(root))
@@ -100,8 +100,9 @@ def load_runs(roots: Iterable[str], group: str | None = None) -> list[Run]:
         runs.extend(found)
     if group is not None:
         runs = _of_sweep(runs, group)
-    _reject_duplicates(runs)
-    return runs
+    for name in exclude:
+        runs = _without(runs, name)
+    return _one_per_seed(runs)
 
 
 def _of_sweep(runs: list[Run], group: str) -> list[Run]:
@@ -137,16 +138,43 @@ def _run_paths(root: Path) -> Iterator[tuple[Path, bool]]:
         dirnames.sort()
 
 
-def _reject_duplicates(runs: list[Run]) -> None:
-    seen: dict[tuple, str] = {}
+def _without(runs: list[Run], name: str) -> list[Run]:
+    """`runs` less the one(s) whose id is `name` or whose source is the path `name`."""
+    kept = [r for r in runs if r.run_id != name and not _same_path(r.source, name)]
+    if len(kept) == len(runs):
+        raise UsageError(f"--exclude {name}: no run found has this id or path")
+    return kept
+
+
+def _same_path(source: str, name: str) -> bool:
+    return source == name or Path(source).resolve() == Path(name).resolve()
+
+
+def _one_per_seed(runs: list[Run]) -> list[Run]:
+    """One run per arm/scale/lr/seed, in the order found (see _the_completed_one for several)."""
+    groups: dict[tuple, list[Run]] = {}
     for run in runs:
-        key = (run.arm, run.scale, run.lr, run.seed)
-        if key in seen:
-            raise UsageError(
-                f"{run.source}: same arm/scale/lr/seed as {seen[key]} ({run.arm}, {run.scale}, lr={run.lr}, "
-                f"seed={run.seed}); pass only one of them"
-            )
-        seen[key] = run.source
+        groups.setdefault((run.arm, run.scale, run.lr, run.seed), []).append(run)
+    kept = {id(same[0] if len(same) == 1 else _the_completed_one(same)) for same in groups.values()}
+    return [r for r in runs if id(r) in kept]
+
+
+def _the_completed_one(same: list[Run]) -> Run:
+    """Of runs with the same arm/scale/lr/seed (a copy of a run, a relaunch killed on its way), the one
+    that completed; the others are set aside, said on stderr. With none completed, or several, which
+    one counts is for the user to say."""
+    completed = [r for r in same if r.state == "completed"]
+    if len(completed) != 1:
+        a, b = same[0], same[1]
+        raise UsageError(
+            f"{b.source}: same arm/scale/lr/seed as {a.source} ({a.arm}, {a.scale}, lr={a.lr}, seed={a.seed}), "
+            f"and {len(completed)} of the {len(same)} completed; leave the others out with --exclude ID|PATH"
+        )
+    for run in same:
+        if run is not completed[0]:
+            print(f"set aside {run.source} ({run.state}): same arm/scale/lr/seed as {completed[0].source} "
+                  "(completed)", file=sys.stderr)
+    return completed[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 The state is the train loop's (status.json), corrected by what the scheduler knows: a run whose
 status says running/pending but whose last job (job.json) is no longer queued shows `dead` (the job
-was killed without a word: node failure, OOM, scancel after its grace time); a running run whose
+was killed without a word: node failure, OOM, scancel after its grace time), and so does one whose
+process (status.json `pid` and `host`) ran on this host and has ended; a running run whose
 job is still allocated (or cannot be asked about) but whose heartbeat (status.json `heartbeat_at`,
 written every step) is older than its bound shows `stale` (hung or vanished processes; see
 train/rundir.py STALE_STEPS); a submitted run that never started training and whose job has ended
@@ -18,7 +19,9 @@ from typing import Any
 
 from nlq_scale.cluster.executors import JOB_FILE, job_liveness, read_json
 from nlq_scale.compat import submitit as submitit_compat
-from nlq_scale.train.rundir import CONFIG_FILE, STATUS_FILE, heartbeat_age, is_stale, last_record, read_status
+from nlq_scale.train.rundir import (
+    CONFIG_FILE, STATUS_FILE, heartbeat_age, is_stale, last_record, process_gone, read_status,
+)
 
 MARKERS = (STATUS_FILE, JOB_FILE, CONFIG_FILE)
 COLUMNS = ("run", "state", "step", "tokens", "val_loss", "job", "nodes", "elapsed", "error")
@@ -73,6 +76,8 @@ def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None
             state = "submitted" if job else "new"
     elif state in ("running", "pending") and alive is False:
         state = "dead"
+    elif state in ("running", "pending") and process_gone(status):
+        state, error = "dead", f"its process {status['pid']} on {status['host']} has ended"
     elif is_stale(status, stale_s):
         state, error = "stale", f"no heartbeat for {heartbeat_age(status):.0f} s"
     name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 from importlib import metadata
@@ -294,6 +295,20 @@ def heartbeat_age(status: dict, now: float | None = None) -> float | None:
     return None if beat is None else (now or time.time()) - float(beat)
 
 
+def process_gone(status: dict) -> bool:
+    """The process that writes this status.json ran on this host and has ended (killed without a word:
+    SIGKILL, the OOM killer). A process elsewhere cannot be asked: False."""
+    if status.get("host") != socket.gethostname() or not status.get("pid"):
+        return False
+    try:
+        os.kill(int(status["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    return False
+
+
 def is_stale(status: dict, bound_s: float | None = None) -> bool:
     """A run that says it is running but has not beaten for longer than its bound (or `bound_s`)."""
     age = heartbeat_age(status)
@@ -318,6 +333,9 @@ class Status:
             "error": None,
             "total_steps": total_steps,
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            # who writes it: `status` on the same host knows at once when that process is gone
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
             "num_nodes": num_nodes,
             "started_at": previous.get("started_at", now),
             "updated_at": now,
