@@ -1,5 +1,6 @@
 """`nlq-scale` command line. Each part of the library contributes its sub-commands from `<part>/cli.py`
 (a function `add_commands(subparsers)`), so this file never changes when a part grows a command.
+DESCRIPTION is what `nlq-scale --help` tells its users.
 
 Exit codes: 0 success, 2 bad input (one line, no traceback), 1 failure at run time.
 """
@@ -16,6 +17,11 @@ from typing import Any
 
 from nlq_scale.errors import RunFailure, UsageError
 
+DESCRIPTION = (
+    "Train megatron-core GPTs whose attention queries come from different arms (linear, nonlinear, ...), run "
+    "sweeps of them on SLURM or on this machine, and compare their scaling curves. Start with `nlq-scale "
+    "quickstart`; `nlq-scale COMMAND --help` explains each command."
+)
 PARTS = ("config", "model", "data", "train", "cluster", "analysis", "quickstart", "doctor", "export", "evaluate")
 
 
@@ -62,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     from nlq_scale.config.load import CONFIG_PATH_ENV
     from nlq_scale.runtime.quiet import VERBOSE_ENV
 
-    parser = OneLineParser(prog="nlq-scale", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="nlq-scale", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"nlq-scale {__version__}")
     parser.add_argument(
         "--config-dir",

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import REPO, nlq, refused
 
-EXAMPLED = ("plan", "submit", "status", "cancel", "compare", "fit", "import-csv", "quickstart")
+EXAMPLED = ("train", "plan", "submit", "status", "cancel", "compare", "fit", "import-csv", "quickstart")
 
 
 @pytest.mark.parametrize("command", EXAMPLED)

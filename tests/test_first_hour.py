@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.analysis_rundirs import make_config, make_sweep, power_law_truth, write_run_dir
-from tests.conftest import REPO, cli, refused
+from tests.conftest import REPO, cli, nlq, refused
 from tests.test_data_helpers import documents, write_jsonl
 
 # ---------------------------------------------------------------------------------------------
@@ -108,9 +108,11 @@ def test_prepare_data_writes_a_dataset_others_can_read(tmp_path, umask_022):
 # ---------------------------------------------------------------------------------------------
 # one real run (cpu-xs, a few steps, W&B offline) for what training prints, exports and leaves behind
 
+DOC = REPO / "docs" / "getting-started.md"
 DOC_RUN_DIR, DOC_DATA = "runs/first", "data/sample-64"
 TRANSCRIPT_ARGS = ("train", "--scale", "cpu-xs", "--arm", "linear", "--run-dir", DOC_RUN_DIR, f"data.path={DOC_DATA}",
                    "train.steps=6", "train.warmup_steps=2", "train.eval_every=3", "train.log_every=2")
+TRANSCRIPT = re.compile(r"(?<=<!-- transcript: train -->\n)```text\n(?P<body>.*?)```", re.S)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,60 @@ def test_a_run_and_its_export_are_readable_by_others(first_run, tmp_path, umask_
 
 # ---------------------------------------------------------------------------------------------
 # 4. what training prints
+
+
+def normalised(text: str) -> list[str]:
+    """Lines without what changes from run to run or machine to machine: decimals (losses, times,
+    speeds), thousands-separated counts of tok/s, the W&B run's timestamped directory."""
+    text = re.sub(r"offline-run-\S+", "offline-run-*", text)
+    text = re.sub(r"\d[\d,]*\.\d+|\d[\d,]*(?= tok/s)", "#", text)
+    return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+
+def transcript(printed: str) -> str:
+    return f"$ nlq-scale {' '.join(TRANSCRIPT_ARGS)}\n{printed}"
+
+
+@pytest.mark.slow  # trains
+def test_getting_started_shows_what_a_run_prints(first_run):
+    """docs/getting-started.md's transcript is a real run's output (NLQ_SCALE_WRITE_DOCS=1 writes it)."""
+    _, printed = first_run
+    doc = DOC.read_text()
+    if os.environ.get("NLQ_SCALE_WRITE_DOCS") == "1":
+        doc = TRANSCRIPT.sub(lambda m: f"```text\n{transcript(printed)}```", doc)
+        DOC.write_text(doc)
+    shown = TRANSCRIPT.search(doc)
+    assert shown, f"{DOC}: no transcript after <!-- transcript: train -->"
+    assert normalised(shown["body"]) == normalised(transcript(printed))
+
+
+@pytest.mark.slow  # trains
+def test_a_run_says_what_it_trains_its_validation_and_where_it_ended(first_run):
+    run_dir, printed = first_run
+    lines = printed.splitlines()
+    head = "\n".join(lines[:6])
+    for expected in ("linear at cpu-xs", "parameters", "tokens per step", "layout:", "lr 0.003",
+                     f"run directory: {DOC_RUN_DIR}", f"W&B offline: files in {DOC_RUN_DIR}/wandb",
+                     f"wandb sync {DOC_RUN_DIR}/wandb/offline-run-*"):
+        assert expected in head, (expected, head)
+    assert re.findall(r"^step (\d+)/6 val loss \d+\.\d{4} ± \d\.\d{4}$", printed, re.M) == ["3", "6"], printed
+    assert re.fullmatch(rf"\[nlq-scale\] completed at step 6: val loss \d+\.\d{{4}}; run directory {DOC_RUN_DIR}",
+                        lines[-1]), lines[-1]
+
+
+@pytest.mark.slow  # trains
+def test_rerunning_a_finished_run_says_there_is_nothing_to_do(first_run):
+    run_dir, _ = first_run
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    r = cli("train", "--config", str(run_dir / "config.yaml"), "--run-dir", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    assert f"nothing to do: {run_dir} already completed its 6 steps" in r.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+
+
+def test_help_describes_the_tool_for_users():
+    text = " ".join(cli("--help").stdout.split())
+    assert "compare their scaling curves" in text and "cli.py" not in text
 
 
 def test_compare_prints_its_findings(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from nlq_scale.errors import RunFailure, UsageError
 from nlq_scale.runtime.device import deterministic_kernels
 from nlq_scale.runtime.dist import World, detect_env, distributed
 from nlq_scale.runtime.quiet import quiet_libraries
-from nlq_scale.train.rundir import Status, claim
+from nlq_scale.train.rundir import Status, claim, last_validation, read_status
 
 
 def placement_checked(cfg: RunConfig, world: World) -> contextlib.AbstractContextManager:
@@ -21,6 +22,11 @@ def placement_checked(cfg: RunConfig, world: World) -> contextlib.AbstractContex
 
         return checking_devices()
     return contextlib.nullcontext()
+
+
+def _already_completed(run_dir: Path, cfg: RunConfig) -> bool:
+    status = read_status(run_dir)
+    return status.get("state") == "completed" and status.get("step", 0) >= cfg.train.steps
 
 
 def train_run(cfg: RunConfig, run_dir: Path) -> str:
@@ -35,6 +41,12 @@ def train_run(cfg: RunConfig, run_dir: Path) -> str:
     run_dir = Path(run_dir)
     env = detect_env()
     claim(run_dir, cfg, create=env.rank == 0)  # every rank refuses a conflicting run dir up front
+    if _already_completed(run_dir, cfg):
+        if env.rank == 0:
+            val = last_validation(run_dir)
+            print(f"[nlq-scale] nothing to do: {run_dir} already completed its {cfg.train.steps} steps"
+                  + (f" (val loss {val[1]:.4f})" if val else ""), file=sys.stderr, flush=True)
+        return "completed"
     with (
         distributed(cfg.parallel, env, cfg.runtime.device) as world,
         placement_checked(cfg, world),

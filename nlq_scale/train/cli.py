@@ -9,7 +9,13 @@ from nlq_scale.errors import UsageError, check_creatable
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train (or resume) one run in its run directory")
+    p = sub.add_parser(
+        "train", help="train (or resume) one run in its run directory",
+        description="Train one run of an arm at a scale (or of a run config) into its run directory, or resume\n"
+        "it there from its newest checkpoint. The directory holds config.yaml, metrics.jsonl, status.json,\n"
+        "checkpoints/ and W&B's offline files; key=value overrides any config key (nlq-scale config show).",
+        epilog="example:\n  nlq-scale train --scale cpu-xs --arm nonlinear --run-dir runs/one data.path=DATA",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--scale", help="ladder scale (configs/scales); needs --arm")
     src.add_argument("--config", help="a run config YAML (e.g. a run dir's config.yaml)")

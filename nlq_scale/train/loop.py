@@ -21,7 +21,7 @@ from nlq_scale.train.divergence import DivergenceGuard
 from nlq_scale.train.feed import DataFeed
 from nlq_scale.train.metrics import MetricsWriter
 from nlq_scale.train.profiling import StepProfiler
-from nlq_scale.train.rundir import Status, manifest, write_manifest
+from nlq_scale.train.rundir import Status, last_validation, manifest, write_manifest
 from nlq_scale.train.schedule import lr_at
 from nlq_scale.train.signals import StopFlag
 
@@ -78,6 +78,8 @@ class Trainer:
         self.step, self.tokens = 0, 0
         self._pending: PendingSave | None = None
         resumed_from = self._resume()
+        # (step, val/loss) of the last validation, for the last line: a resumed run's from its metrics
+        self.last_val = last_validation(run_dir) if resumed_from else None
         self.metrics = MetricsWriter(run_dir, cfg, resumed_from is not None, self.rank == 0, self.step)
         if self.rank == 0:
             from nlq_scale.data.loader import dataset_manifest_sha256
@@ -93,6 +95,7 @@ class Trainer:
                 "zero_stage": self._zero_stage(),
             }
             write_manifest(run_dir, manifest(cfg, layout_info, dataset_manifest_sha256(cfg.data), accounting(cfg)))
+            self._header(resumed_from is not None)
         event = {"event": "resume", "checkpoint": str(resumed_from)} if resumed_from else {"event": "start"}
         self.metrics.write({"step": self.step, "tokens": self.tokens} | event)
 
@@ -159,8 +162,29 @@ class Trainer:
         if self.rank == 0:
             self.status.update(state=state, step=self.step, tokens=self.tokens, error=error)
         self.metrics.close(state)
-        _say(self.rank, f"{state} at step {self.step}" + (f": {error}" if error else ""))
+        _say(self.rank, f"{state} at step {self.step}: " + "; ".join(self._outcome(error)))
         return state
+
+    def _outcome(self, error: str | None) -> list[str]:
+        """What the last line says after the state: the error, the last validation loss, the run directory."""
+        said = [error] if error else []
+        if self.last_val is not None:
+            step, loss = self.last_val
+            said.append(f"val loss {loss:.4f}" + (f" (at step {step})" if step != self.step else ""))
+        return [*said, f"run directory {self.run_dir}"]
+
+    def _header(self, resumed: bool) -> None:
+        """What a run trains, how and where, before its first step (rank 0)."""
+        cfg, counts, world = self.cfg, count_parameters(self.cfg.model), self.world
+        t = cfg.train
+        _say(self.rank, f"{'resuming' if resumed else 'training'} {cfg.arm_label} at {cfg.scale or 'a custom scale'}: "
+                        f"{counts.total:,} parameters ({counts.non_embedding:,} non-embedding), "
+                        f"{self.tokens_per_step:,} tokens per step, {t.steps:,} steps")
+        _say(self.rank, f"layout: {world.world_size} rank{'s' if world.world_size > 1 else ''} (tp {world.tp}, pp {world.pp}, dp {world.dp}), "
+                        f"{t.engine} engine on {world.device.torch_device.type}; lr {t.lr:g} ({t.lr_schedule}, "
+                        f"{t.warmup_steps} warmup steps)")
+        _say(self.rank, f"run directory: {self.run_dir}")
+        _say(self.rank, self.metrics.wandb.where(self.run_dir))
 
     def _train_record(self, lr: float, loss: float, grad_norm: float | None, seconds: float, digest: str) -> dict:
         tokens_per_s = self.tokens_per_step / seconds
@@ -222,12 +246,15 @@ class Trainer:
                 self._poll_save(blocking=False)
                 record = self._train_record(lr, stats.loss, stats.grad_norm, seconds, digest)
                 problem = self.guard.check_train(stats.loss)
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    self.metrics.progress(self.step, stats.loss, record["tokens_per_s"])
                 if problem is None and (self.step % t.eval_every == 0 or self.step == t.steps):
-                    record |= self._validate()
+                    val = self._validate()
+                    record |= val
+                    self.metrics.validation(self.step, val)
+                    self.last_val = (self.step, val["val/loss"])
                     problem = self.guard.check_val(record["val/loss"])
                 self.metrics.write(record)
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    self.metrics.progress(self.step, stats.loss, record["tokens_per_s"], record.get("val/loss"))
                 if problem is not None:
                     # No checkpoint: the last good one must not be replaced by a diverged state.
                     return self._finish("diverged", "diverged", problem)

@@ -54,6 +54,15 @@ class WandbMirror:
         except Exception as e:  # noqa: BLE001 - the mirror must never stop training
             self._disable(e)
 
+    def where(self, run_dir: Path) -> str:
+        """For the start header: the mirror's mode and where its files go (how to upload them offline)."""
+        if self.run is None:
+            return f"W&B off: metrics in {run_dir / METRICS_FILE}"
+        files = run_dir / "wandb"
+        if self.run.settings.mode == "online":
+            return f"W&B online: {self.run.url} (local files in {files})"
+        return f"W&B offline: files in {files}; upload with: wandb sync {files}/offline-run-*"
+
     def _disable(self, err: Exception) -> None:
         print(f"[nlq-scale] W&B mirror disabled: {type(err).__name__}: {err}", file=sys.stderr)
         self.run = None
@@ -111,18 +120,23 @@ class MetricsWriter:
         self._file.flush()
         self.wandb.log(record)
 
-    def progress(self, step: int, loss: float, tokens_per_s: float, val: float | None = None) -> None:
+    def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         """One concise line per log interval (rewritten in place on a terminal)."""
         if not self.enabled:
             return
         done = max(step - self.start_step, 1)
         eta = (time.time() - self._t0) / done * (self.total_steps - step)
-        val_part = f" val {val:.4f}" if val is not None else ""
-        line = (
-            f"step {step}/{self.total_steps} loss {loss:.4f}{val_part} "
-            f"{tokens_per_s:,.0f} tok/s eta {eta / 60:.1f} min"
-        )
+        line = f"step {step}/{self.total_steps} loss {loss:.4f} {tokens_per_s:,.0f} tok/s eta {eta / 60:.1f} min"
         print(("\r" + line) if self._tty else line, end="" if self._tty else "\n", flush=True)
+
+    def validation(self, step: int, val: dict[str, float]) -> None:
+        """A line of its own for every validation: each set's loss (val/loss, val/<name>/loss) and its
+        standard error (<metric>_stderr)."""
+        if not self.enabled:
+            return
+        losses = [f"{key.removesuffix('/loss')} loss {value:.4f} ± {val[f'{key}_stderr']:.4f}"
+                  for key, value in val.items() if not key.endswith("_stderr")]
+        print(("\n" if self._tty else "") + f"step {step}/{self.total_steps} " + ", ".join(losses), flush=True)
 
     def close(self, state: str) -> None:
         if not self.enabled:

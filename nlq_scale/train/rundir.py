@@ -162,6 +162,12 @@ def last_record(run_dir: Path, key: str, tail_bytes: int | None = 16384) -> dict
     return {}
 
 
+def last_validation(run_dir: Path) -> tuple[int, float] | None:
+    """(step, val/loss) of the run's last validation, if any."""
+    record = last_record(run_dir, "val/loss")
+    return (record["step"], float(record["val/loss"])) if record else None  # float(): JSON keeps nan a string
+
+
 def read_eval(run_dir: Path) -> dict[int, dict]:
     """eval.json: checkpoint step -> {"step", "tokens", "lm_eval", "tasks": {task: {...}}} ({} if none)."""
     raw = read_json(run_dir / EVAL_FILE)
