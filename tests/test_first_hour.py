@@ -106,6 +106,31 @@ def test_prepare_data_writes_a_dataset_others_can_read(tmp_path, umask_022):
 
 
 # ---------------------------------------------------------------------------------------------
+# 3. plots of one scale, one seed: what is not there is said, what is there is not stretched
+
+
+def test_a_one_scale_one_seed_plot_says_what_it_lacks(tmp_path):
+    from nlq_scale.analysis import plots
+    from nlq_scale.analysis.compare import Options, compare
+    from nlq_scale.analysis.runs import load_runs
+
+    make_sweep(tmp_path, power_law_truth(2.0, 50.0, 0.1), ["linear", "linear-mlp4.75"], ["t1"], [1])
+    figures = plots.figures(compare(load_runs([str(tmp_path)]), Options(resamples=50)))
+    (ax,) = figures["loss_vs_compute"].axes
+    figures["loss_vs_compute"].canvas.draw()
+    assert "with fitted" not in ax.get_title() and "no curve fitted" in ax.get_title()
+    assert "one seed" in ax.get_ylabel()
+    assert any(label.get_text() for label in ax.get_xticklabels()), "no tick label on the x axis"
+    lo, hi = np.log10(ax.get_xlim())
+    x = np.log10(np.unique([line.get_xdata()[0] for line in ax.lines if len(line.get_xdata()) == 1]))
+    assert x.size == 2 and min(x - lo) >= 0.25 and min(hi - x) >= 0.25, (lo, hi, x)  # not at the edges
+    (step_ax,) = figures["loss_vs_step"].axes
+    assert all("1 seed)" in t.get_text() for t in step_ax.get_legend().get_texts())
+    for fig in figures.values():
+        plots.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
 # one real run (cpu-xs, a few steps, W&B offline) for what training prints, exports and leaves behind
 
 DOC = REPO / "docs" / "getting-started.md"

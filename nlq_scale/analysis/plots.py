@@ -65,7 +65,8 @@ def loss_vs_step(comp: Comparison) -> Figure:
             for run in cell.runs:
                 ax.plot(run.val.step, run.val.loss, color=colors[arm], lw=0.6, alpha=0.35)
             steps, mean = mean_curve(cell.runs)
-            ax.plot(steps, mean, color=colors[arm], lw=1.8, label=f"{arm} (lr {_lr(cell)}, {cell.n} seeds)")
+            ax.plot(steps, mean, color=colors[arm], lw=1.8,
+                    label=f"{arm} (lr {_lr(cell)}, {cell.n} seed{'s' if cell.n > 1 else ''})")
             tails.append(mean[int(len(mean) * EARLY_FRACTION):])
         _tight_ylim(ax, np.concatenate(tails))
         ax.set_title(scale)
@@ -92,12 +93,15 @@ def loss_vs_axis(comp: Comparison, axis: str) -> Figure:
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     label = "training compute C (FLOPs)" if axis == "compute" else "non-embedding parameters N"
     symbol = "C" if axis == "compute" else "N"
+    xs, fitted, seeds = [], False, 0
     for arm in comp.arms:
         cells = [comp.cells[(arm, s)] for s in comp.scales if (arm, s) in comp.cells]
         cells = [c for c in cells if c.axis_value(axis) is not None]
         if not cells:
             continue
         x = np.array([c.axis_value(axis) for c in cells])
+        xs.extend(x)
+        seeds = max(seeds, *(c.n for c in cells))
         y = np.array([c.mean for c in cells])
         err = np.array([[c.mean - c.losses.min() for c in cells], [c.losses.max() - c.mean for c in cells]])
         fit = next(f for f in comp.fits if f.arm == arm and f.axis == axis)
@@ -106,15 +110,26 @@ def loss_vs_axis(comp: Comparison, axis: str) -> Figure:
         if fit.law is not None:
             grid = np.geomspace(x.min() / 1.5, x.max() * 1.5, 200)
             ax.plot(grid, fit.law(grid), color=colors[arm], lw=1.2)
+            fitted = True
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels collide when x spans < 2 decades
+    _at_least_a_decade(ax, np.array(xs))
     ax.set_xlabel(label)
-    ax.set_ylabel("final val loss (seed mean; bars = min..max)")
-    ax.set_title(f"Final loss vs {axis} with fitted L = E + A·{symbol}^-α")
+    ax.set_ylabel("final val loss (seed mean; bars = min..max)" if seeds > 1 else "final val loss (one seed: no bars)")
+    ax.set_title(f"Final loss vs {axis} " + (f"with fitted L = E + A·{symbol}^-α" if fitted else "(no curve fitted)"))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _at_least_a_decade(ax, x: np.ndarray) -> None:
+    """Values less than a decade apart (one scale: arms whose compute differs by a hair) get the decade
+    around their geometric middle, which holds a labelled tick, instead of being pushed to the edges."""
+    if x.size == 0 or x.max() >= 10 * x.min():
+        return
+    middle = math.sqrt(x.min() * x.max())
+    ax.set_xlim(middle / math.sqrt(10), middle * math.sqrt(10))
 
 
 def relative_improvement(comp: Comparison) -> Figure | None:
