@@ -275,3 +275,21 @@ def test_status_shows_a_local_run_whose_process_is_gone_as_dead(tmp_path):
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)["runs"]
     assert row["state"] == "dead" and socket.gethostname() in row["error"], row
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. smaller things
+
+
+def test_an_unknown_key_names_the_near_one():
+    assert "train.step: unknown key (did you mean train.steps?)" in refused(
+        "config", "show", "--scale", "cpu-xs", "--arm", "linear", "train.step=5")
+
+
+def test_deepspeed_says_nothing_of_its_accelerator_by_default():
+    code = ("from nlq_scale.runtime.quiet import quiet_libraries\nquiet_libraries()\n"
+            "from deepspeed.accelerator import get_accelerator\nget_accelerator()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={k: v for k, v in os.environ.items() if k != "NLQ_SCALE_VERBOSE"})
+    assert out.returncode == 0, out.stderr
+    assert "accelerator" not in out.stdout + out.stderr

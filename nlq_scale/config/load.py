@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
@@ -121,23 +122,33 @@ def named_config(kind: str, name: str) -> dict[str, Any]:
     return read_yaml(path)
 
 
-def validation_message(err: ValidationError, source: str = "config") -> str:
-    """The first validation error as one line: `source: field.path: reason`."""
+def validation_message(err: ValidationError, source: str = "config", model: type[BaseModel] | None = None) -> str:
+    """The first validation error as one line: `source: field.path: reason`; an unknown key of `model`
+    (the validated one) names the near match, a typo's likely meaning."""
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        msg = "unknown key"
+        msg = "unknown key" + _near_key(model, [str(p) for p in first["loc"]])
     more = len(err.errors()) - 1
     suffix = f" (+{more} more)" if more else ""
     return f"{source}: {loc + ': ' if loc else ''}{msg}{suffix}"
+
+
+def _near_key(model: type[BaseModel] | None, loc: list[str]) -> str:
+    for part in loc[:-1]:  # down to the model that holds the unknown key
+        field = model.model_fields.get(part) if model else None
+        kind = field.annotation if field else None
+        model = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1) if model else []
+    return f" (did you mean {'.'.join([*loc[:-1], close[0]])}?)" if close else ""
 
 
 def build_run_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise UsageError(validation_message(e, source)) from None
+        raise UsageError(validation_message(e, source, RunConfig)) from None
 
 
 def compose_raw(

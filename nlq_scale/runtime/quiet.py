@@ -19,3 +19,9 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", category=category, module=_NOISY_MODULES)
     for name in ("torch.utils.cpp_extension", "megatron.core", "DeepSpeed"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # DeepSpeed sets its logger's level back when imported (after this): a filter stays
+    logging.getLogger("DeepSpeed").addFilter(_errors_only)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
