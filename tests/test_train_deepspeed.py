@@ -60,6 +60,8 @@ def test_zero_stages_agree(single_rank, clip, exact):
         engine.close()
     for stage in (1, 2, 3):
         if exact and stage < 3:
+            # Must hold on any CPU: one rank reduces nothing, and Adam's update is elementwise, the same
+            # IEEE operations on each element whether it sits in its own tensor or a flat partition.
             assert curves[stage] == curves[0], stage
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(curves[stage], curves[0], strict=True)), stage
 
@@ -144,12 +146,11 @@ def test_two_ranks_resume_is_bit_exact(tmp_path, stage):
     assert out["resumed"] == out["uninterrupted"]
 
 
-def assert_continues(saved: dict, loaded: dict, same_dp_sum: bool) -> None:
-    """The loaded state evaluates like the saved one and trains on like it (up to the reduction
-    order of a different layout). A lost or misplaced optimizer state shows within 3 steps."""
-    if same_dp_sum:  # float32 losses summed in float64: exact across data-parallel sizes
-        assert loaded["val"] == saved["val"]
-        assert loaded["after"][0] == saved["after"][0]
+def assert_continues(saved: dict, loaded: dict) -> None:
+    """The loaded state evaluates like the saved one and trains on like it, to rounding: another
+    layout gives each rank other micro-batch shapes and thread counts, whose sums the CPU's kernels
+    may order differently. A lost or misplaced optimizer state shows within 3 steps."""
+    assert abs(loaded["val"] - saved["val"]) <= 1e-6 * saved["val"], (loaded, saved)
     for ours, theirs in zip(loaded["after"], saved["after"], strict=True):
         assert abs(ours - theirs) <= 1e-6 * theirs, (loaded, saved)
 
@@ -163,7 +164,7 @@ def assert_continues(saved: dict, loaded: dict, same_dp_sum: bool) -> None:
 def test_resume_at_another_data_parallel_size(tmp_path, save_nproc, load_nproc, stage):
     saved = run(tmp_path, "save", save_nproc, f"train.zero_stage={stage}")
     loaded = run(tmp_path, "load", load_nproc, f"train.zero_stage={stage}")
-    assert_continues(saved, loaded, same_dp_sum=True)
+    assert_continues(saved, loaded)
     assert not (tmp_path / "ckpt" / "universal.tmp").exists()
 
 
@@ -171,4 +172,4 @@ def test_resume_at_another_data_parallel_size(tmp_path, save_nproc, load_nproc, 
 def test_resume_at_another_tensor_parallel_size(tmp_path):
     saved = run(tmp_path, "save", 2, "train.zero_stage=1", "parallel.tp=2")
     loaded = run(tmp_path, "load", 1, "train.zero_stage=1", "parallel.tp=1")
-    assert_continues(saved, loaded, same_dp_sum=False)
+    assert_continues(saved, loaded)
