@@ -4,6 +4,7 @@ are imported inside the handlers."""
 from __future__ import annotations
 
 import argparse
+import math
 import textwrap
 from pathlib import Path
 
@@ -170,7 +171,7 @@ def _fit(args: argparse.Namespace) -> int:
         "bootstrap": _chinchilla_cis(fitted, N[keep], D[keep], L[keep], args.bootstrap, args.seed),
     }
     if args.json:
-        emit_json(result)
+        emit_json(_finite_or_null(result))
     else:
         _print_fit(result)
     if args.strict and fitted.diagnostics.flags:
@@ -188,6 +189,18 @@ def _fit_settings(args: argparse.Namespace):
         return fits.FitSettings(args.huber_delta, args.loss_space, args.start_grid, args.ftol, args.gtol, args.maxiter)
     except fits.BadSetting as e:
         raise UsageError(f"--start-grid: {e}") from None
+
+
+def _finite_or_null(value):
+    """JSON has no inf or NaN (a term the data never see runs its coefficient off to inf): null, as in
+    summary.json; the diagnostics' flags say why."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 PARAMS = ("E", "A", "B", "alpha", "beta")

@@ -45,6 +45,13 @@ class RunVerdict:
     spikes: list[int]
 
 
+def seed_mean(losses: np.ndarray) -> float:
+    """The mean final loss over seeds, inside the seeds' min..max: the sum's rounding can put the mean of
+    seeds that agree an ulp outside their own range (50 seeds at 3.95: mean - min = -9e-16), which
+    the report's min..max error bars cannot draw."""
+    return float(np.clip(losses.mean(), losses.min(), losses.max()))
+
+
 @dataclass(frozen=True)
 class LrPoint:
     lr: float | None
@@ -52,7 +59,7 @@ class LrPoint:
 
     @property
     def mean(self) -> float:
-        return float(self.losses.mean())
+        return seed_mean(self.losses)
 
     @property
     def n(self) -> int:
@@ -77,7 +84,7 @@ class Cell:
 
     @property
     def mean(self) -> float:
-        return float(self.losses.mean())
+        return seed_mean(self.losses)
 
     @property
     def std(self) -> float | None:
@@ -94,8 +101,9 @@ class Cell:
         return values.pop() if len(values) == 1 else None
 
     def axis_value(self, axis: Axis) -> float | None:
+        """The cell's place on a log axis; None where unknown or zero (runs whose last evaluation is at step 0)."""
         value = self.compute if axis == "compute" else self.params
-        return None if value is None else float(value)
+        return float(value) if value else None
 
 
 @dataclass(frozen=True)
@@ -362,7 +370,7 @@ def _axis_points(cells, arm: str, scales: list[str], axis: Axis) -> tuple[list[C
     mine = [cells[(arm, s)] for s in scales if (arm, s) in cells]
     usable = [c for c in mine if c.axis_value(axis) is not None]
     missing = [c.scale for c in mine if c.axis_value(axis) is None]
-    return usable, (f"{axis} unknown at {', '.join(missing)}" if missing else "")
+    return usable, (f"{axis} unknown or zero at {', '.join(missing)}" if missing else "")
 
 
 def fit_arm(cells, arm: str, scales: list[str], axis: Axis, options: Options) -> ArmFit:
@@ -412,8 +420,8 @@ def compute_multipliers(cells, ref_fit: ArmFit, arm: str, scales: list[str], opt
         if ref_fit.law is None:
             out.append(Multiplier(arm, scale, Estimate(None, None, f"reference fit {ref_fit.note}"), False))
             continue
-        if cell.compute is None:
-            out.append(Multiplier(arm, scale, Estimate(None, None, f"compute unknown for {arm}@{scale}"), False))
+        if cell.axis_value("compute") is None:
+            out.append(Multiplier(arm, scale, Estimate(None, None, f"compute unknown or zero for {arm}@{scale}"), False))
             continue
         c_ref = ref_fit.law.inverse(cell.mean)
         value = c_ref / cell.compute
@@ -446,6 +454,15 @@ def _finite_or_none(value: float) -> float | None:
 # trend of the gap with scale
 
 
+def _too_few_for_slope(at: list[float], axis: Axis) -> str:
+    """Why no line can be fitted through the scales at these axis values; "" when one can."""
+    if len(at) < 2:
+        return f"{len(at)} scale(s) with a gap and a known {axis}; a slope needs 2"
+    if len(set(at)) < 2:
+        return f"{len(at)} scales with a gap, all at the same {axis}; a slope needs 2 different ones"
+    return ""
+
+
 def gap_trend(cells, gaps: list[Gap], reference: str, arm: str, scales: list[str], options: Options) -> Trend:
     """Regress the relative improvement (percentage points) on log10 of the reference's compute or
     params at each scale. Two intervals: the seed bootstrap (noise within cells) and, with 3+ scales,
@@ -455,8 +472,8 @@ def gap_trend(cells, gaps: list[Gap], reference: str, arm: str, scales: list[str
     mine = [g for g in gaps if g.arm == arm]
     pairs = [(cells[(arm, g.scale)], cells[(reference, g.scale)]) for g in mine]
     usable = [(x, r) for x, r in pairs if r.axis_value(axis) is not None]
-    if len(usable) < 2:
-        why = f"{len(usable)} scale(s) with a gap and a known {axis}; a slope needs 2"
+    why = _too_few_for_slope([r.axis_value(axis) for _, r in usable], axis)
+    if why:
         return Trend(arm, axis, len(usable), None, None, None, None, why)
     logx = np.log10([r.axis_value(axis) for _, r in usable])
     pct = np.array([improvement_pct(r.mean, x.mean) for x, r in usable])

@@ -391,7 +391,9 @@ def fit_chinchilla(
 
 def _chinchilla_from_raw(x: np.ndarray, fun: float, n: int) -> ChinchillaFit:
     a, b, e, alpha, beta = x
-    return ChinchillaFit(float(np.exp(e)), float(np.exp(a)), float(np.exp(b)), float(alpha), float(beta), float(fun), n)
+    with np.errstate(over="ignore"):  # a term the data never see may run its coefficient off to inf: flagged
+        coefficients = np.exp([e, a, b])
+    return ChinchillaFit(*map(float, coefficients), float(alpha), float(beta), float(fun), n)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -196,6 +196,7 @@ def findings(comp: Comparison) -> list[str]:
 
 SMALL_N = 10_000_000  # non-embedding parameters: below this, a "model" is a pipeline check, not evidence at scale
 FEW_SEEDS = 5  # a bootstrap over fewer seeds cannot be wider than their spread: a rough interval
+SEEDS_AGREE = 1e-9  # nats: a spread of final losses this small is rounding, not seed noise
 
 
 def limits(comp: Comparison) -> list[str]:
@@ -215,6 +216,12 @@ def limits(comp: Comparison) -> list[str]:
                    "understates the uncertainty); a gap whose interval only just excludes zero is a hint, not a result.")
     else:
         out.append(f"{seeds} seeds per arm and scale: the intervals account for seed-to-seed variation.")
+    agree = [f"{c.arm}@{c.scale}" for c in _ordered_cells(comp)
+             if c.n > 1 and c.losses.max() - c.losses.min() <= SEEDS_AGREE]
+    if agree:
+        out.append(f"Every seed ended at the same final loss (within {SEEDS_AGREE:g} nats) in {', '.join(agree)}: "
+                   "the seed did not change those runs (a seed that did not reach the initialisation, a rerun, "
+                   "copied logs), so their intervals have no width and say nothing about seed noise.")
     params = sorted({r.params for c in cells for r in c.runs if r.params})
     if params:
         span = f"{_g(params[0], '.3g')} to {_g(params[-1], '.3g')} non-embedding parameters"
