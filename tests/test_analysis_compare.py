@@ -68,9 +68,13 @@ def test_seed_statistics_at_each_arms_own_best_lr(tmp_path):
         lo, hi = gap.improvement.ci
         assert lo < gap.improvement.value < hi and lo > 0  # 0.05 nats against 0.003 noise
         assert (gap.n_arm, gap.n_ref) == (4, 4)
-    # fixed bootstrap seed: same intervals; another seed: different ones
-    assert compare(runs, FAST).gaps[0].improvement.ci == comp.gaps[0].improvement.ci
-    assert compare(runs, Options(resamples=400, seed=1)).gaps[0].improvement.ci != comp.gaps[0].improvement.ci
+    # fixed bootstrap seed: same intervals; another seed moves the bootstrap's (the lr optimum's),
+    # never a gap's (a Welch interval, no resampling)
+    again, reseeded = compare(runs, FAST), compare(runs, Options(resamples=400, seed=1))
+    assert again.gaps[0].improvement.ci == comp.gaps[0].improvement.ci == reseeded.gaps[0].improvement.ci
+    interior = [i for i, o in enumerate(comp.lr_optima) if not o.edge]  # nonlinear's: 2e-3 inside the grid
+    assert interior and all(again.lr_optima[i].ci == comp.lr_optima[i].ci != reseeded.lr_optima[i].ci
+                            for i in interior)
 
 
 def test_compute_multiplier_recovers_the_true_value(tmp_path):
@@ -108,12 +112,12 @@ def test_trend_with_scale_detects_a_growing_gap_and_not_a_steady_one(tmp_path):
     grow = compare(load_runs([str(tmp_path / "grow")]), WIDE).trends[0]
     assert grow.n_scales == 5 and grow.distinguishable is True
     assert grow.slope == pytest.approx(0.8, abs=0.15)
-    assert grow.ci_bootstrap[0] < 0.8 < grow.ci_bootstrap[1]
+    assert grow.ci_seeds[0] < 0.8 < grow.ci_seeds[1]
 
     make_sweep(tmp_path / "flat", _relative_gap_truth(1.0, 0.0), ["linear", "nonlinear"], scales, seeds=[0, 1, 2])
     flat = compare(load_runs([str(tmp_path / "flat")]), FAST).trends[0]
     assert flat.distinguishable is False
-    assert flat.ci_bootstrap[0] < 0 < flat.ci_bootstrap[1] or flat.ci_residual[0] < 0 < flat.ci_residual[1]
+    assert flat.ci_seeds[0] < 0 < flat.ci_seeds[1] or flat.ci_residual[0] < 0 < flat.ci_residual[1]
 
 
 def test_unidentifiable_fits_and_single_seeds_give_reasons_not_numbers(tmp_path):
@@ -127,7 +131,7 @@ def test_unidentifiable_fits_and_single_seeds_give_reasons_not_numbers(tmp_path)
     for g in comp.gaps:
         assert g.improvement.value > 0 and g.improvement.ci is None and "seeds" in g.improvement.note
     trend = comp.trends[0]
-    assert trend.slope is not None and trend.ci_bootstrap is None and trend.ci_residual is None
+    assert trend.slope is not None and trend.ci_seeds is None and trend.ci_residual is None
     assert trend.distinguishable is None
 
 

@@ -23,7 +23,7 @@ def test_one_seed_has_no_interval_and_says_so(tmp_path):
     assert "gaps with an interval" not in text
 
 
-@pytest.mark.parametrize("seeds, words", [([0, 1], "2 seeds per arm and scale: the intervals are rough"),
+@pytest.mark.parametrize("seeds, words", [([0, 1], "2 seeds per arm and scale: the gap intervals are calibrated but wide"),
                                           ([0, 1, 2, 3, 4], "5 seeds per arm and scale: the intervals account")])
 def test_seeds_tiny_models_and_scales_are_named(tmp_path, seeds, words):
     text = _limits(tmp_path, seeds=seeds)

@@ -1,8 +1,10 @@
 """Per arm x scale statistics, gaps to the reference arm, scaling fits, compute multipliers and the
-trend of the gap with scale. Every interval comes from one joint bootstrap over seeds: each
-arm x scale cell's seeds are resampled (fixed-seed numpy Generator), and every statistic is
-recomputed from the same resampled cell means, so the report is reproducible and its intervals
-are consistent with each other. docs/analysis.md explains each number and its assumptions."""
+trend of the gap with scale. The gaps and the trend's seed interval are Welch-Satterthwaite t
+intervals of a (linearised) weighted sum of cell means, calibrated at every seed count. The fits
+and the multiplier, which go through a fitted law, come from one joint bootstrap over seeds: each
+arm x scale cell's seeds are resampled (fixed-seed numpy Generator) and every fit is recomputed
+from the same resampled cell means, so the report is reproducible; those intervals are not
+calibrated and say so. docs/analysis.md explains each number and its assumptions."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from nlq_scale.errors import UsageError
 Axis = Literal["compute", "params"]
 DEFAULT_REFERENCE = baseline().name
 MIN_SEEDS_FOR_CI = 2
+# the simulation of docs/analysis.md ("Coverage") measures these intervals' coverage off 95%
+UNCALIBRATED = "seed bootstrap through a fitted law: not calibrated (docs/analysis.md, Coverage)"
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,11 @@ class Cell:
     @property
     def std(self) -> float | None:
         return float(self.losses.std(ddof=1)) if self.n > 1 else None
+
+    @property
+    def variance(self) -> float:
+        """The seeds' sample variance, 0 where they agree (an ulp of rounding is no seed noise)."""
+        return float(self.losses.var(ddof=1)) if self.losses.max() > self.losses.min() else 0.0
 
     @property
     def compute(self) -> float | None:
@@ -162,7 +171,7 @@ class Trend:
     axis: Axis
     n_scales: int
     slope: float | None  # improvement percentage points per 10x of the axis
-    ci_bootstrap: tuple[float, float] | None
+    ci_seeds: tuple[float, float] | None  # Welch-Satterthwaite: seed noise within the cells
     ci_residual: tuple[float, float] | None
     distinguishable: bool | None
     note: str
@@ -342,13 +351,27 @@ def arm_gaps(cells, reference: str, arm: str, scales: list[str], options: Option
         x, r = cells[(arm, scale)], cells[(reference, scale)]
         note = _seed_note([x, r])
 
-        def estimate(value: float, samples: np.ndarray) -> Estimate:
-            return Estimate(value, None, note) if note else boot_estimate(value, samples, options.level)
+        def estimate(value: float, weighted: list[tuple[float, Cell]]) -> Estimate:
+            return Estimate(value, None, note) if note else Estimate(value, seed_ci(value, weighted, options.level))
 
-        absolute = estimate(r.mean - x.mean, r.boot - x.boot)
-        relative = estimate(improvement_pct(r.mean, x.mean), improvement_pct(r.boot, x.boot))
+        absolute = estimate(r.mean - x.mean, [(1.0, r), (-1.0, x)])
+        relative = estimate(improvement_pct(r.mean, x.mean), pct_weights(x, r))
         out.append(Gap(arm, scale, absolute, relative, x.n, r.n))
     return out
+
+
+def seed_ci(value: float, weighted: list[tuple[float, Cell]], level: float) -> tuple[float, float]:
+    """The Welch-Satterthwaite interval of a statistic that is, to first order, sum(w * cell mean)."""
+    w = np.array([w for w, _ in weighted])
+    variances = np.array([c.variance for _, c in weighted])
+    counts = np.array([c.n for _, c in weighted], dtype=float)
+    return stats.welch_ci(value, w, variances, counts, level)
+
+
+def pct_weights(arm: Cell, ref: Cell) -> list[tuple[float, Cell]]:
+    """The gradient of 100 (L_ref - L_arm) / L_ref in the two cell means (the delta method: the
+    seeds move L_ref by a thousandth of itself, so the ratio is linear over that range)."""
+    return [(100 * arm.mean / ref.mean**2, ref), (-100 / ref.mean, arm)]
 
 
 def boot_estimate(value: float | None, samples: np.ndarray, level: float, note: str = "") -> Estimate:
@@ -389,8 +412,8 @@ def fit_arm(cells, arm: str, scales: list[str], axis: Axis, options: Options) ->
     if seed_note:
         alpha_est, E_est = Estimate(law.alpha, None, seed_note), Estimate(law.E, None, seed_note)
         return ArmFit(arm, axis, law, note, alpha_est, E_est, objective, tuple(flags))
-    E, _, alpha, ok = fits.fit_power_law_batch(x, np.stack([c.boot for c in usable], axis=1))
-    fail = _failure_note(ok)
+    E, _, alpha, ok = _refits(usable, axis)
+    fail = join_notes(_failure_note(ok), UNCALIBRATED)
     alpha_est = boot_estimate(law.alpha, np.where(ok, alpha, np.nan), options.level, fail)
     E_est = boot_estimate(law.E, np.where(ok, E, np.nan), options.level, fail)
     if E_est.ci is not None and E_est.ci[0] < fits.E_FLOOR * y.min() and law.E >= fits.E_FLOOR * y.min():
@@ -413,6 +436,7 @@ def compute_multipliers(cells, ref_fit: ArmFit, arm: str, scales: list[str], opt
     read off the reference's fitted L(C) at the arm's observed mean loss."""
     out = []
     ref_cells, _ = _axis_points(cells, ref_fit.arm, scales, "compute")
+    ref_boot = _refits(ref_cells, "compute") if ref_fit.law is not None and not _seed_note(ref_cells) else None
     for scale in scales:
         cell = cells.get((arm, scale))
         if cell is None:
@@ -426,24 +450,30 @@ def compute_multipliers(cells, ref_fit: ArmFit, arm: str, scales: list[str], opt
         c_ref = ref_fit.law.inverse(cell.mean)
         value = c_ref / cell.compute
         extrapolated = not (ref_fit.law.x_min <= c_ref <= ref_fit.law.x_max)
-        out.append(Multiplier(arm, scale, _multiplier_estimate(value, cell, ref_cells, ref_fit, options), extrapolated))
+        estimate = _multiplier_estimate(value, cell, ref_cells, ref_fit, ref_boot, options)
+        out.append(Multiplier(arm, scale, estimate, extrapolated))
     return out
 
 
-def _multiplier_estimate(
-    value: float, cell: Cell, ref_cells: list[Cell], ref_fit: ArmFit, options: Options
-) -> Estimate:
+def _refits(cells: list[Cell], axis: Axis) -> tuple[np.ndarray, ...]:
+    """(E, A, alpha, ok) of the power law refitted on every bootstrap resample of these cells."""
+    x = np.array([c.axis_value(axis) for c in cells])
+    return fits.fit_power_law_batch(x, np.stack([c.boot for c in cells], axis=1))
+
+
+def _multiplier_estimate(value: float, cell: Cell, ref_cells: list[Cell], ref_fit: ArmFit,
+                         ref_boot: tuple[np.ndarray, ...] | None, options: Options) -> Estimate:  # fmt: skip
     """The interval is over seeds and fits: every resample of the seeds refits the reference's law
-    and reads it at that resample's arm loss."""
+    (`ref_boot`, once for every scale) and reads it at that resample's arm loss."""
     beyond = "the arm's loss is below the reference fit's asymptote E" if math.isinf(value) else ""
     shaky = f"reference fit {ref_fit.statement}" if ref_fit.flags else ""
     seed_note = _seed_note([cell, *ref_cells])
-    if seed_note:
+    if seed_note or ref_boot is None:
         return Estimate(_finite_or_none(value), None, join_notes(beyond, shaky, seed_note))
-    x = np.array([c.compute for c in ref_cells])
-    E, A, alpha, ok = fits.fit_power_law_batch(x, np.stack([c.boot for c in ref_cells], axis=1))
+    E, A, alpha, ok = ref_boot
     boot = np.where(ok, fits.inverse_batch(E, A, alpha, cell.boot) / cell.compute, np.nan)
-    return boot_estimate(_finite_or_none(value), boot, options.level, join_notes(beyond, shaky, _failure_note(ok)))
+    note = join_notes(beyond, shaky, _failure_note(ok), UNCALIBRATED)
+    return boot_estimate(_finite_or_none(value), boot, options.level, note)
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -465,8 +495,9 @@ def _too_few_for_slope(at: list[float], axis: Axis) -> str:
 
 def gap_trend(cells, gaps: list[Gap], reference: str, arm: str, scales: list[str], options: Options) -> Trend:
     """Regress the relative improvement (percentage points) on log10 of the reference's compute or
-    params at each scale. Two intervals: the seed bootstrap (noise within cells) and, with 3+ scales,
-    the residual t-interval (also catches curvature the line does not follow). The slope counts as
+    params at each scale. Two intervals: the seeds' (Welch-Satterthwaite over every cell the slope
+    is a weighted sum of: noise within cells) and, with 3+ scales, the residual t-interval (also
+    catches curvature the line does not follow). The slope counts as
     distinguishable from zero only if every available interval excludes zero."""
     axis = options.trend_axis
     mine = [g for g in gaps if g.arm == arm]
@@ -479,12 +510,17 @@ def gap_trend(cells, gaps: list[Gap], reference: str, arm: str, scales: list[str
     pct = np.array([improvement_pct(r.mean, x.mean) for x, r in usable])
     slope = float(stats.ols_slope(logx, pct[None, :])[0])
     seed_note = _seed_note([c for pair in usable for c in pair])
-    ci_boot = None
-    if not seed_note:
-        boot_pct = np.stack([improvement_pct(r.boot, x.boot) for x, r in usable], axis=1)
-        ci_boot = stats.percentile_ci(stats.ols_slope(logx, boot_pct), options.level)
+    ci_seeds = None if seed_note else seed_ci(slope, _slope_weights(logx, usable), options.level)
     ci_resid = stats.ols_slope_ci(logx, pct, options.level)
-    verdicts = [stats.excludes_zero(ci) for ci in (ci_boot, ci_resid) if ci is not None]
+    verdicts = [stats.excludes_zero(ci) for ci in (ci_seeds, ci_resid) if ci is not None]
     distinguishable = all(verdicts) if verdicts else None
     two = "2 scales: the line passes through both points, so lack of fit cannot be checked" if ci_resid is None else ""
-    return Trend(arm, axis, len(usable), slope, ci_boot, ci_resid, distinguishable, join_notes(seed_note, two))
+    return Trend(arm, axis, len(usable), slope, ci_seeds, ci_resid, distinguishable, join_notes(seed_note, two))
+
+
+def _slope_weights(logx: np.ndarray, pairs: list[tuple[Cell, Cell]]) -> list[tuple[float, Cell]]:
+    """The least-squares slope is sum_i c_i pct_i with c = centred x / its sum of squares; each
+    pct_i is linear in its two cells (pct_weights), so the slope is a weighted sum of cell means."""
+    xc = logx - logx.mean()
+    c = xc / (xc @ xc)
+    return [(ci * w, cell) for ci, (x, r) in zip(c, pairs) for w, cell in pct_weights(x, r)]

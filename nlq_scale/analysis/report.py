@@ -14,7 +14,7 @@ from nlq_scale.analysis.compare import ArmFit, Cell, Comparison, Estimate, Gap, 
 from nlq_scale.analysis.lr import LrOptimum, LrScaling
 from nlq_scale.files import atomic_write, replacing
 
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2  # 2: trends' ci_bootstrap became ci_seeds (a Welch interval, no bootstrap)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def _multiplier_row(m: Multiplier) -> dict:
 
 def _trend_row(t: Trend) -> dict:
     return {"arm": t.arm, "axis": t.axis, "n_scales": t.n_scales, "slope_pct_points_per_decade": _num(t.slope),
-            "ci_bootstrap": _ci(t.ci_bootstrap), "ci_residual": _ci(t.ci_residual),
+            "ci_seeds": _ci(t.ci_seeds), "ci_residual": _ci(t.ci_residual),
             "distinguishable_from_zero": t.distinguishable, "note": t.note}
 
 
@@ -169,8 +169,8 @@ def trend_statement(t: Trend, reference: str, level: float) -> str:
     if t.slope is None:
         return f"Trend of {t.arm}'s improvement over {reference} with {t.axis}: cannot tell ({t.note})."
     cis = []
-    if t.ci_bootstrap is not None:
-        cis.append(f"seed bootstrap {_fmt_ci(t.ci_bootstrap, '+.3f')}")
+    if t.ci_seeds is not None:
+        cis.append(f"seeds {_fmt_ci(t.ci_seeds, '+.3f')}")
     if t.ci_residual is not None:
         cis.append(f"residual t-interval over {t.n_scales} scales {_fmt_ci(t.ci_residual, '+.3f')}")
     head = (f"Trend of {t.arm}'s improvement over {reference}: {t.slope:+.3f} percentage points per 10x {t.axis} "
@@ -212,8 +212,9 @@ def limits(comp: Comparison) -> list[str]:
         out.append(f"{seeds} seed(s) per arm and scale: a cell with one seed has no interval, and any difference "
                    "there may be seed noise alone. Run at least 2 seeds (better 3-5) per arm and scale.")
     elif n_min < FEW_SEEDS:
-        out.append(f"{seeds} seeds per arm and scale: the intervals are rough (a bootstrap over so few seeds "
-                   "understates the uncertainty); a gap whose interval only just excludes zero is a hint, not a result.")
+        out.append(f"{seeds} seeds per arm and scale: the gap intervals are calibrated but wide (few degrees of "
+                   "freedom), and the fits' and multipliers' bootstrap intervals are rough (a bootstrap over so few "
+                   "seeds is not calibrated); a gap whose interval only just excludes zero is a hint, not a result.")
     else:
         out.append(f"{seeds} seeds per arm and scale: the intervals account for seed-to-seed variation.")
     agree = [f"{c.arm}@{c.scale}" for c in _ordered_cells(comp)
@@ -271,9 +272,10 @@ def markdown(comp: Comparison, plots: dict[str, str]) -> str:
         "# nlq-scale comparison",
         f"Reference arm: **{comp.reference}**. Runs found: {len(comp.verdicts)}; compared: {n_in}; "
         f"left out: {len(comp.verdicts) - n_in}. Each arm is compared at its own best learning rate per scale.",
-        f"Intervals: {o.level:.0%} percentile bootstrap, {o.resamples} resamples of the seeds within each "
-        f"arm x scale cell (numpy default_rng seed {o.seed}), the resampled means widened to the Student-t "
-        f"spread of the cell's seeds (with 2-5 seeds a plain bootstrap is far too narrow). Divergence margin: "
+        f"Intervals ({o.level:.0%}): gaps and the trend's seed interval are Welch-Satterthwaite t intervals "
+        f"over the seeds of the cells they combine, calibrated at every seed count. Fits and compute "
+        f"multipliers go through a fitted law: a percentile bootstrap, {o.resamples} resamples of the seeds "
+        f"within each arm x scale cell (numpy default_rng seed {o.seed}), not calibrated. Divergence margin: "
         f"{o.divergence_margin} nats above the running best. Positive improvement = lower loss than "
         f"{comp.reference}. See docs/analysis.md.",
         "## Findings",

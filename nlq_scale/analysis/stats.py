@@ -1,5 +1,6 @@
 """Small statistical helpers shared by the comparison: bootstrap resampling of seed means,
-percentile intervals and the slope of a line with its interval. docs/analysis.md states the
+percentile intervals, the Welch-Satterthwaite interval of a weighted sum of seed means and the
+slope of a line with its interval. docs/analysis.md states the
 assumptions behind each."""
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ def percentile_ci(samples: np.ndarray, level: float) -> tuple[float, float] | No
     tail = (1 - level) / 2
     lo, hi = np.quantile(kept, [tail, 1 - tail], method="inverted_cdf")
     return float(lo), float(hi)
+
+
+def welch_ci(value: float, weights: np.ndarray, variances: np.ndarray, counts: np.ndarray,
+             level: float) -> tuple[float, float]:
+    """Student-t interval for value = sum_i weights_i * mean_i over independent cells (sample
+    variances, seed counts >= 2), with Welch-Satterthwaite degrees of freedom. Widening each cell
+    to its own t and adding the widenings is far too wide with 2-3 seeds (two cells of 2 seeds give
+    the difference about 2 degrees of freedom, not 1 + 1); this is calibrated for normal seed noise
+    and unequal spreads. Cells whose seeds agree add no variance; when none vary the interval is
+    the point."""
+    terms = weights**2 * variances / counts
+    var = float(terms.sum())
+    if var == 0:
+        return value, value
+    dof = var**2 / float((terms**2 / (counts - 1)).sum())
+    half = float(stats.t.ppf(0.5 + level / 2, dof)) * np.sqrt(var)
+    return value - half, value + half
 
 
 def ols_slope(x: np.ndarray, Y: np.ndarray) -> np.ndarray:
