@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import REPO, nlq, refused
 
-EXAMPLED = ("train", "plan", "submit", "status", "cancel", "compare", "fit", "import-csv", "quickstart")
+EXAMPLED = ("train", "plan", "submit", "status", "cancel", "compare", "fit", "import-csv", "quickstart", "design")
 
 
 @pytest.mark.parametrize("command", EXAMPLED)

@@ -1,4 +1,4 @@
-"""Sub-commands `import-csv`, `compare` and `fit`. Kept light: numpy, scipy, matplotlib and wandb
+"""Sub-commands `import-csv`, `compare`, `fit` and `design`. Kept light: numpy, scipy, matplotlib and wandb
 are imported inside the handlers."""
 
 from __future__ import annotations
@@ -72,10 +72,28 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_fit)
 
+    p = sub.add_parser("design", help="seeds per arm that resolve a loss gap at a given power",
+                       description="Seeds per arm for a two-sided two-sample t-test of a gap between two arms' "
+                                   "mean final losses, whose seeds scatter with standard deviation SD: the fewest "
+                                   "that reject a zero gap with probability POWER when the true gap is GAP "
+                                   "(exact, from the noncentral t distribution).",
+                       epilog="example:\n  nlq-scale design --sd 0.02 --gap 0.02 --power 0.8")
+    p.add_argument("--sd", type=float, required=True, help="seed-to-seed standard deviation of the final loss (nats)")
+    p.add_argument("--gap", type=float, required=True, help="the true gap to resolve (nats)")
+    p.add_argument("--power", type=float, default=0.8, help="probability of resolving it (default 0.8)")
+    p.add_argument("--level", type=float, default=0.95, help="confidence level of the test (default 0.95)")
+    p.add_argument("--json", action="store_true", help="print the answer as JSON (key seeds_per_arm)")
+    p.set_defaults(func=_design)
+
 
 def _positive(value: int | float | None, flag: str) -> None:
-    if value is not None and value <= 0:
+    if value is not None and not value > 0:
         raise UsageError(f"{flag}: must be positive, got {value}")
+
+
+def _fraction(value: float, flag: str) -> None:
+    if not 0 < value < 1:
+        raise UsageError(f"{flag}: must lie strictly between 0 and 1, got {value}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,3 +268,27 @@ def _print_fit(result: dict) -> None:
             print(f"  ({boot['collapsed']} of {boot['resamples']} resamples collapsed: the intervals hold only for "
                   "resamples that keep E and the exponents off their bounds)")
     print("  " + (diag["statement"] or "identifiable: no parameter on a bound, no flat direction"))
+
+
+def _design(args: argparse.Namespace) -> int:
+    from nlq_scale.analysis import power
+    from nlq_scale.cli import emit_json
+
+    for value, flag in ((args.sd, "--sd"), (args.gap, "--gap")):
+        _positive(value, flag)
+        if math.isinf(value):
+            raise UsageError(f"{flag}: must be finite, got {value}")
+    _fraction(args.power, "--power")
+    _fraction(args.level, "--level")
+    try:
+        n = power.seeds_per_arm(args.gap, args.sd, args.power, args.level)
+    except ValueError as e:
+        raise UsageError(f"--gap {args.gap:g} against --sd {args.sd:g}: {e}") from None
+    achieved = power.power(args.gap, args.sd, n, n, args.level)
+    if args.json:
+        emit_json({"seeds_per_arm": n, "power": achieved, "sd": args.sd, "gap": args.gap,
+                   "target_power": args.power, "level": args.level, "test": "two-sided two-sample t, pooled variance"})
+    else:
+        print(f"{n} seeds per arm resolve a {args.gap:g}-nat gap between arms whose seeds scatter by {args.sd:g} nats "
+              f"with power {achieved:.3f} (target {args.power:g}; two-sided two-sample t-test at {args.level:.0%}).")
+    return 0
