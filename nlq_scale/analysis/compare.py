@@ -15,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from nlq_scale.analysis import fits, stats
+from nlq_scale.analysis import fits, power, stats
 from nlq_scale.analysis.divergence import Divergence, detect_divergence, detect_spikes
 from nlq_scale.analysis.lr import LrOptimum, LrScaling, lr_optimum, lr_scaling
 from nlq_scale.analysis.runs import Run
@@ -27,6 +27,7 @@ DEFAULT_REFERENCE = baseline().name
 MIN_SEEDS_FOR_CI = 2
 # the simulation of docs/analysis.md ("Coverage") measures these intervals' coverage off 95%
 UNCALIBRATED = "seed bootstrap through a fitted law: not calibrated (docs/analysis.md, Coverage)"
+DETECT_POWER = 0.8  # the power at which the report states the smallest gap a comparison's seeds resolve
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,9 @@ class Gap:
     improvement_pct: Estimate  # 100 (L_ref - L_arm) / L_ref
     n_arm: int
     n_ref: int
+    # the smallest true gap (nats) these seeds, at their pooled measured spread, resolve with
+    # DETECT_POWER; None with a one-seed cell
+    detectable: float | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,15 @@ class Trend:
     ci_residual: tuple[float, float] | None
     distinguishable: bool | None
     note: str
+    # the slope (percentage points per 10x) that would move the gap by its own mean size across
+    # these scales: an interval inside +-this is narrow enough to call the gap steady
+    steady_bound: float | None = None
+
+    @property
+    def narrow(self) -> bool:
+        cis = [ci for ci in (self.ci_seeds, self.ci_residual) if ci is not None]
+        return bool(cis) and self.steady_bound is not None and all(
+            -self.steady_bound <= lo and hi <= self.steady_bound for lo, hi in cis)
 
 
 @dataclass(frozen=True)
@@ -356,8 +369,14 @@ def arm_gaps(cells, reference: str, arm: str, scales: list[str], options: Option
 
         absolute = estimate(r.mean - x.mean, [(1.0, r), (-1.0, x)])
         relative = estimate(improvement_pct(r.mean, x.mean), pct_weights(x, r))
-        out.append(Gap(arm, scale, absolute, relative, x.n, r.n))
+        detectable = None if note else power.detectable_gap(pooled_sd(x, r), x.n, r.n, DETECT_POWER, options.level)
+        out.append(Gap(arm, scale, absolute, relative, x.n, r.n, detectable))
     return out
+
+
+def pooled_sd(a: Cell, b: Cell) -> float:
+    """The two cells' seed spread pooled over their n_a + n_b - 2 degrees of freedom."""
+    return math.sqrt(((a.n - 1) * a.variance + (b.n - 1) * b.variance) / (a.n + b.n - 2))
 
 
 def seed_ci(value: float, weighted: list[tuple[float, Cell]], level: float) -> tuple[float, float]:
@@ -515,7 +534,9 @@ def gap_trend(cells, gaps: list[Gap], reference: str, arm: str, scales: list[str
     verdicts = [stats.excludes_zero(ci) for ci in (ci_seeds, ci_resid) if ci is not None]
     distinguishable = all(verdicts) if verdicts else None
     two = "2 scales: the line passes through both points, so lack of fit cannot be checked" if ci_resid is None else ""
-    return Trend(arm, axis, len(usable), slope, ci_seeds, ci_resid, distinguishable, join_notes(seed_note, two))
+    steady = float(abs(pct.mean()) / (logx.max() - logx.min()))
+    return Trend(arm, axis, len(usable), slope, ci_seeds, ci_resid, distinguishable, join_notes(seed_note, two),
+                 steady)
 
 
 def _slope_weights(logx: np.ndarray, pairs: list[tuple[Cell, Cell]]) -> list[tuple[float, Cell]]:

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nlq_scale.analysis.compare import ArmFit, Cell, Comparison, Estimate, Gap, Multiplier, Trend, join_notes
+from nlq_scale.analysis.compare import (
+    DETECT_POWER, ArmFit, Cell, Comparison, Estimate, Gap, Multiplier, Trend, join_notes,
+)
 from nlq_scale.analysis.lr import LrOptimum, LrScaling
 from nlq_scale.files import atomic_write, replacing
 
@@ -97,7 +99,8 @@ def _downstream_row(d) -> dict:
 
 def _gap_row(g: Gap) -> dict:
     return {"arm": g.arm, "scale": g.scale, "improvement": _estimate(g.improvement),
-            "improvement_pct": _estimate(g.improvement_pct), "n_arm": g.n_arm, "n_ref": g.n_ref}
+            "improvement_pct": _estimate(g.improvement_pct), "n_arm": g.n_arm, "n_ref": g.n_ref,
+            "detectable_gap": _num(g.detectable), "detectable_power": DETECT_POWER}
 
 
 def _fit_row(f: ArmFit) -> dict:
@@ -115,7 +118,8 @@ def _multiplier_row(m: Multiplier) -> dict:
 def _trend_row(t: Trend) -> dict:
     return {"arm": t.arm, "axis": t.axis, "n_scales": t.n_scales, "slope_pct_points_per_decade": _num(t.slope),
             "ci_seeds": _ci(t.ci_seeds), "ci_residual": _ci(t.ci_residual),
-            "distinguishable_from_zero": t.distinguishable, "note": t.note}
+            "distinguishable_from_zero": t.distinguishable, "steady_bound": _num(t.steady_bound),
+            "narrow": t.narrow, "note": t.note}
 
 
 def _optimum_row(o: LrOptimum) -> dict:
@@ -148,7 +152,13 @@ def gap_statement(g: Gap, reference: str, level: float) -> str:
         return f"{head}: {g.arm} is better."
     if pct.ci[1] < 0:
         return f"{head}: {g.arm} is worse."
-    return f"{head}: not distinguishable from zero."
+    return f"{head}: not distinguishable from zero; {_resolvable(g)}."
+
+
+def _resolvable(g: Gap) -> str:
+    seeds = f"{g.n_arm} seeds" if g.n_arm == g.n_ref else f"{g.n_arm} and {g.n_ref} seeds"
+    return (f"with {seeds} at {g.scale} this sweep could only resolve gaps above {g.detectable:.4f} nats "
+            f"({DETECT_POWER:.0%} power at the seeds' measured spread)")
 
 
 def multiplier_statement(m: Multiplier, reference: str, level: float) -> str:
@@ -178,8 +188,14 @@ def trend_statement(t: Trend, reference: str, level: float) -> str:
     if t.distinguishable:
         direction = "grows" if t.slope > 0 else "shrinks"
         return f"{head}: distinguishable from zero — the improvement {direction} with scale."
-    return f"{head}: not distinguishable from zero at {level:.0%}; the data are consistent with a steady gap." + (
-        f" ({t.note})" if t.note else "")
+    note = f" ({t.note})" if t.note else ""
+    if t.narrow:
+        return (f"{head}: not distinguishable from zero at {level:.0%}, and narrow enough to say the data are "
+                f"consistent with a steady gap (no slope beyond ±{t.steady_bound:.3f}, which would move the gap by "
+                f"its own size across these scales).{note}")
+    return (f"{head}: not distinguishable from zero at {level:.0%}, but too wide to call the gap steady: it admits "
+            f"slopes beyond ±{_g(t.steady_bound, '.3f')}, which would move the gap by its own size across these "
+            f"scales.{note}")
 
 
 def findings(comp: Comparison) -> list[str]:
@@ -238,6 +254,8 @@ def limits(comp: Comparison) -> list[str]:
     else:
         out.append(f"{n_scales} scales: a trend with scale rests on {n_scales} points, so only a clear slope "
                    "is distinguishable from zero.")
+    out += [_seen(g) for g in comp.gaps if g.detectable is not None]
+    out += [_trend_limit(t) for t in comp.trends if t.slope is not None and not t.distinguishable]
     excluded = [g for g in comp.gaps if g.improvement_pct.ci is not None and (g.improvement_pct.ci[0] > 0
                                                                               or g.improvement_pct.ci[1] < 0)]
     with_ci = [g for g in comp.gaps if g.improvement_pct.ci is not None]
@@ -249,6 +267,23 @@ def limits(comp: Comparison) -> list[str]:
         out.append(f"The best learning rate is on the grid's edge for {', '.join(edges)}: that arm may do better "
                    "beyond the grid, so its loss there (and any gap it enters) is an upper bound. Extend the grid.")
     return out
+
+
+def _seen(g: Gap) -> str:
+    """What the seeds could have seen at one scale, next to what they saw."""
+    head = f"{_resolvable(g)[0].upper()}{_resolvable(g)[1:]}; {g.arm}'s measured gap is {g.improvement.value:+.4f}"
+    if abs(g.improvement.value) < g.detectable:
+        return f"{head}, below that: a true gap of this size would go unresolved more often than not."
+    return f"{head}."
+
+
+def _trend_limit(t: Trend) -> str:
+    if t.narrow:
+        return (f"The trend of {t.arm}'s gap is not distinguishable from zero, and its interval is narrow enough "
+                "to say the gap is steady across these scales.")
+    return (f"The trend of {t.arm}'s gap is not distinguishable from zero, but its interval is too wide to say the "
+            "gap is steady: it could still grow or vanish across these scales. More seeds per scale, or more "
+            "scales, narrow it.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,10 +399,11 @@ def _lr_laws_table(comp: Comparison) -> str:
 def _gaps_table(comp: Comparison) -> str:
     ci = _ci_label(comp)
     return _table(
-        ["scale", "arm", "Δ loss (nats)", ci, "Δ %", ci, "seeds arm/ref", "note"],
+        ["scale", "arm", "Δ loss (nats)", ci, "Δ %", ci, "seeds arm/ref",
+         f"resolvable above (nats, {DETECT_POWER:.0%} power)", "note"],
         [[g.scale, g.arm, _g(g.improvement.value, "+.4f"), _fmt_ci(g.improvement.ci, "+.4f"),
           _g(g.improvement_pct.value, "+.2f"), _fmt_ci(g.improvement_pct.ci, "+.2f"), f"{g.n_arm}/{g.n_ref}",
-          g.improvement.note] for g in comp.gaps],
+          _g(g.detectable, ".4f"), g.improvement.note] for g in comp.gaps],
     )
 
 
