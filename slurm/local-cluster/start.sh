@@ -19,6 +19,10 @@
 # Environment: NLQ_SLURM_STATE, NLQ_SLURM_CTLD_PORT (16817), NLQ_SLURM_NODE_PORTS (17001-17002),
 # NLQ_SLURM_GRACE_S (preemption grace time, 60).
 set -euo pipefail
+# The daemons start without the caller's preload: slurmd dies at start-up under LD_PRELOAD=libc.so.6
+# (`make portability-glibc`), and a preload meant for training processes reaches a job from its
+# submitter's environment (sbatch/srun export it), not from slurmd's.
+unset LD_PRELOAD
 
 STATE=${NLQ_SLURM_STATE:-/var/lib/nlq-slurm}
 CTLD_PORT=${NLQ_SLURM_CTLD_PORT:-16817}
