@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes.util
 import functools
+import json
 import multiprocessing
 import multiprocessing.context
 import os
@@ -267,9 +268,14 @@ def ended(pid: int) -> bool:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    import json
-
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def mark_killed(run_dir: Path, **fields: object) -> None:
+    """status.json as a run killed before it completed leaves it (still running), so a relaunch
+    resumes from its checkpoints instead of finding nothing to do."""
+    path = run_dir / "status.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"state": "running", **fields}))
 
 
 def last_by_step(records: list[dict], key: str) -> dict[int, object]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import AUTO_ALLOCATOR, REPO, SCRIPTS, last_by_step, nlq, read_metrics
+from tests.conftest import AUTO_ALLOCATOR, REPO, SCRIPTS, last_by_step, mark_killed, nlq, read_metrics
 
 STEPS = 12  # CI time: each of this file's 2-rank runs trains this many steps
 CHECKPOINT = 6  # the step the kill tests wait for
@@ -180,7 +180,7 @@ def test_saved_at_tp2_or_pp2_resumes_at_dp2_within_tolerance(uninterrupted, samp
             run_to_end([*train_args(straight, sample_dataset, "nonlinear", f"train.engine={engine}"), *before], 2)
             shutil.copytree(straight, tmp_path / saved_at)
             shutil.rmtree(tmp_path / saved_at / "checkpoints" / f"step_{STEPS}")
-            as_killed(tmp_path / saved_at)
+            mark_killed(tmp_path / saved_at)
         else:
             kill_after_checkpoint(tmp_path / saved_at, [*args, *before], 2, step=CHECKPOINT)
         key, value = saved_at.split("=")
@@ -202,13 +202,6 @@ def test_saved_at_tp2_or_pp2_resumes_at_dp2_within_tolerance(uninterrupted, samp
         # (on some machines every val loss comes out bit-identical).
         drift = max(abs(got[s] - want[s]) for s in got)
         assert drift < 1e-4, (saved_at, drift)
-
-
-def as_killed(run_dir: Path) -> None:
-    """status.json as a run killed before it completed leaves it (still running), so a relaunch
-    resumes from the checkpoints instead of finding nothing to do."""
-    status = json.loads((run_dir / "status.json").read_text())
-    (run_dir / "status.json").write_text(json.dumps(status | {"state": "running"}))
 
 
 def layout(run_dir: Path) -> dict:
@@ -240,7 +233,7 @@ def test_truncated_latest_checkpoint_falls_back_to_previous(sample_dataset, tmp_
     run_to_end(args, 1)
     shard = max((run_dir / "checkpoints" / "step_12").glob("*.distcp"), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    as_killed(run_dir)
+    mark_killed(run_dir)
     out = run_to_end(args, 1)
     assert "skipping checkpoint" in out and "truncated" in out and "resuming from" in out
     assert "step_6" in out.split("resuming from", 1)[1].splitlines()[0]

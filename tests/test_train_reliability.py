@@ -20,7 +20,7 @@ import yaml
 from nlq_scale import arms
 from nlq_scale.errors import UsageError
 from nlq_scale.train.checkpoint import CheckpointDir, PendingSave
-from tests.conftest import REPO, SCRIPTS, last_by_step, nlq, read_metrics
+from tests.conftest import REPO, SCRIPTS, last_by_step, mark_killed, nlq, read_metrics
 
 BASE = ["train.steps=6", "train.warmup_steps=2", "train.eval_every=3", "checkpoint.every=3", "checkpoint.keep=3"]
 
@@ -59,8 +59,7 @@ def resumable_copy(reference: Path, dest: Path) -> Path:
     """`reference` as if killed after its step-3 checkpoint."""
     shutil.copytree(reference, dest)
     shutil.rmtree(dest / "checkpoints" / "step_6")
-    status = json.loads((dest / "status.json").read_text()) | {"state": "running", "step": 4}
-    (dest / "status.json").write_text(json.dumps(status))
+    mark_killed(dest, step=4)
     return dest
 
 
@@ -409,6 +408,7 @@ def test_wandb_run_of_a_resumed_run_has_each_step_once(sample_dataset, tmp_path)
     env = {"WANDB_API_KEY": secret}
     run_dir = trained(tmp_path / "run", sample_dataset, "logging.wandb=true", env=env)
     shutil.rmtree(run_dir / "checkpoints" / "step_6")  # as if killed after logging step 6, before its save
+    mark_killed(run_dir)
     trained(run_dir, sample_dataset, "logging.wandb=true", env=env)
     first, second = wandb_segments(run_dir)
     assert first["branch"] is None and second["branch"] == 3
