@@ -76,10 +76,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        description="Seeds per arm for a two-sided two-sample t-test of a gap between two arms' "
                                    "mean final losses, whose seeds scatter with standard deviation SD: the fewest "
                                    "that reject a zero gap with probability POWER when the true gap is GAP "
-                                   "(exact, from the noncentral t distribution).",
-                       epilog="example:\n  nlq-scale design --sd 0.02 --gap 0.02 --power 0.8")
-    p.add_argument("--sd", type=float, required=True, help="seed-to-seed standard deviation of the final loss (nats)")
-    p.add_argument("--gap", type=float, required=True, help="the true gap to resolve (nats)")
+                                   "(exact, from the noncentral t distribution). With a SWEEP and --pilot ROOT: the "
+                                   "SD measured per scale on the pilot runs, its trend with N carried to the "
+                                   "sweep's rungs, and per rung the seeds the gap needs, the smallest gap the "
+                                   "sweep's own seeds resolve and the GPU-hours (plan's cost model).",
+                       epilog="example:\n  nlq-scale design --sd 0.02 --gap 0.02 --power 0.8\n"
+                              "  nlq-scale design ladder --pilot runs/quickstart/smoke --gap 0.01",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep", nargs="?", metavar="SWEEP", help="sweep file or name, to design from --pilot runs")
+    p.add_argument("--pilot", metavar="ROOT", help="runs whose seed spread the design uses (with SWEEP)")
+    p.add_argument("--cluster", help="cluster for the GPU-hours (default: the sweep's)")
+    p.add_argument("--sd", type=float, help="seed-to-seed standard deviation of the final loss (nats)")
+    p.add_argument("--gap", type=float, help="the true gap to resolve (nats)")
     p.add_argument("--power", type=float, default=0.8, help="probability of resolving it (default 0.8)")
     p.add_argument("--level", type=float, default=0.95, help="confidence level of the test (default 0.95)")
     p.add_argument("--json", action="store_true", help="print the answer as JSON (key seeds_per_arm)")
@@ -271,15 +279,27 @@ def _print_fit(result: dict) -> None:
 
 
 def _design(args: argparse.Namespace) -> int:
-    from nlq_scale.analysis import power
-    from nlq_scale.cli import emit_json
-
     for value, flag in ((args.sd, "--sd"), (args.gap, "--gap")):
         _positive(value, flag)
-        if math.isinf(value):
+        if value is not None and math.isinf(value):
             raise UsageError(f"{flag}: must be finite, got {value}")
     _fraction(args.power, "--power")
     _fraction(args.level, "--level")
+    if args.sweep is not None:
+        return _design_sweep(args)
+    for value, flag in ((args.pilot, "--pilot"), (args.cluster, "--cluster")):
+        if value is not None:
+            raise UsageError(f"{flag}: only with a SWEEP")
+    for value, flag in ((args.sd, "--sd"), (args.gap, "--gap")):
+        if value is None:
+            raise UsageError(f"{flag}: required (or a SWEEP with --pilot ROOT)")
+    return _design_one(args)
+
+
+def _design_one(args: argparse.Namespace) -> int:
+    from nlq_scale.analysis import power
+    from nlq_scale.cli import emit_json
+
     try:
         n = power.seeds_per_arm(args.gap, args.sd, args.power, args.level)
     except ValueError as e:
@@ -291,4 +311,26 @@ def _design(args: argparse.Namespace) -> int:
     else:
         print(f"{n} seeds per arm resolve a {args.gap:g}-nat gap between arms whose seeds scatter by {args.sd:g} nats "
               f"with power {achieved:.3f} (target {args.power:g}; two-sided two-sample t-test at {args.level:.0%}).")
+    return 0
+
+
+def _design_sweep(args: argparse.Namespace) -> int:
+    from nlq_scale.analysis import design
+    from nlq_scale.analysis.runs import load_runs
+    from nlq_scale.cli import emit_json
+    from nlq_scale.cluster.cli import load_sweep_and_cluster
+    from nlq_scale.cluster.plan import plan_sweep
+
+    if args.pilot is None:
+        raise UsageError(f"design {args.sweep}: --pilot ROOT: required (the runs whose seed spread to use)")
+    if args.sd is not None:
+        raise UsageError("--sd: not with a SWEEP (the pilot runs give the spread)")
+    sweep, cluster = load_sweep_and_cluster(args.sweep, args.cluster)
+    law = design.spread_law(design.pilot_spreads(load_runs([args.pilot])))
+    rungs = design.rungs(plan_sweep(sweep, cluster), law, args.gap, args.power, args.level)
+    doc = design.as_dict(sweep.name, cluster.name, law, rungs, args)
+    if args.json:
+        emit_json(doc)
+    else:
+        print(design.table(doc))
     return 0

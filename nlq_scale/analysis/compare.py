@@ -369,14 +369,14 @@ def arm_gaps(cells, reference: str, arm: str, scales: list[str], options: Option
 
         absolute = estimate(r.mean - x.mean, [(1.0, r), (-1.0, x)])
         relative = estimate(improvement_pct(r.mean, x.mean), pct_weights(x, r))
-        detectable = None if note else power.detectable_gap(pooled_sd(x, r), x.n, r.n, DETECT_POWER, options.level)
+        detectable = None if note else power.detectable_gap(pooled_sd([x, r]), x.n, r.n, DETECT_POWER, options.level)
         out.append(Gap(arm, scale, absolute, relative, x.n, r.n, detectable))
     return out
 
 
-def pooled_sd(a: Cell, b: Cell) -> float:
-    """The two cells' seed spread pooled over their n_a + n_b - 2 degrees of freedom."""
-    return math.sqrt(((a.n - 1) * a.variance + (b.n - 1) * b.variance) / (a.n + b.n - 2))
+def pooled_sd(cells: list[Cell]) -> float:
+    """The cells' seed spread pooled over their sum(n - 1) degrees of freedom (each cell 2+ seeds)."""
+    return math.sqrt(sum((c.n - 1) * c.variance for c in cells) / sum(c.n - 1 for c in cells))
 
 
 def seed_ci(value: float, weighted: list[tuple[float, Cell]], level: float) -> tuple[float, float]:

@@ -83,15 +83,20 @@ def _sweep_and_overrides(p: argparse.ArgumentParser, known: str) -> None:
 
 
 def _load(args: argparse.Namespace):
+    args.sweep, *args.overrides = args.items
+    return load_sweep_and_cluster(args.sweep, args.cluster)
+
+
+def load_sweep_and_cluster(name: str, cluster: str | None):
+    """A sweep by file or name, and the cluster named on the command line or else in the sweep."""
     from nlq_scale.cluster.plan import load_cluster
     from nlq_scale.cluster.sweep import load_sweep, sweep_path
     from nlq_scale.errors import UsageError
 
-    args.sweep, *args.overrides = args.items
-    sweep = load_sweep(sweep_path(args.sweep))
-    cluster_name = args.cluster or sweep.cluster
+    sweep = load_sweep(sweep_path(name))
+    cluster_name = cluster or sweep.cluster
     if cluster_name is None:
-        raise UsageError(f"{args.sweep}: cluster: not set; pass --cluster CLUSTER.yaml")
+        raise UsageError(f"{name}: cluster: not set; pass --cluster CLUSTER.yaml")
     return sweep, load_cluster(cluster_name)
 
 
