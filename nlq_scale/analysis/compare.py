@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -134,9 +135,14 @@ class Gap:
     improvement_pct: Estimate  # 100 (L_ref - L_arm) / L_ref
     n_arm: int
     n_ref: int
-    # the smallest true gap (nats) these seeds, at their pooled measured spread, resolve with
-    # DETECT_POWER; None with a one-seed cell
-    detectable: float | None = None
+    sd: float | None = None  # the two cells' pooled seed SD; None with a one-seed cell
+    level: float = 0.95
+
+    @cached_property  # on demand: a root of the noncentral t's power, which simulations of the intervals skip
+    def detectable(self) -> float | None:
+        """The smallest true gap (nats) these seeds, at their pooled measured spread, resolve with DETECT_POWER."""
+        return None if self.sd is None else power.detectable_gap(self.sd, self.n_arm, self.n_ref, DETECT_POWER,
+                                                                 self.level)
 
 
 @dataclass(frozen=True)
@@ -369,8 +375,7 @@ def arm_gaps(cells, reference: str, arm: str, scales: list[str], options: Option
 
         absolute = estimate(r.mean - x.mean, [(1.0, r), (-1.0, x)])
         relative = estimate(improvement_pct(r.mean, x.mean), pct_weights(x, r))
-        detectable = None if note else power.detectable_gap(pooled_sd([x, r]), x.n, r.n, DETECT_POWER, options.level)
-        out.append(Gap(arm, scale, absolute, relative, x.n, r.n, detectable))
+        out.append(Gap(arm, scale, absolute, relative, x.n, r.n, None if note else pooled_sd([x, r]), options.level))
     return out
 
 
