@@ -216,7 +216,8 @@ def test_multiplier_says_when_the_data_cannot_separate_the_arms(tmp_path):
     lines = findings(comp)
     assert any("the data cannot separate nonlinear from linear (the interval includes 1)" in line for line in lines)
     assert any("identity is less compute-efficient than linear" in line for line in lines)
-    assert any(f"over {FAST.resamples} resamples of seeds and refits" in line for line in lines)
+    assert any(f"over {FAST.resamples} resamples of seeds and refits (a bootstrap through the fitted law, not "
+               "calibrated)" in line for line in lines)
 
 
 def test_a_fit_whose_asymptote_collapses_is_flagged(tmp_path):

@@ -169,7 +169,8 @@ def multiplier_statement(m: Multiplier, reference: str, level: float) -> str:
     head = f"{m.scale}: {reference} needs {e.value:.3g}x the compute of {m.arm} to reach {m.arm}'s loss"
     if e.ci is None:
         return f"{head}, no interval: {e.note}{where}; whether the arms differ cannot be told."
-    head += f", {_fmt_ci(e.ci, '.3g')} at {level:.0%} over {e.resamples} resamples of seeds and refits{where}"
+    head += (f", {_fmt_ci(e.ci, '.3g')} at {level:.0%} over {e.resamples} resamples of seeds and refits "
+             f"(a bootstrap through the fitted law, not calibrated){where}")
     if not m.separated:
         return f"{head}: the data cannot separate {m.arm} from {reference} (the interval includes 1)."
     return f"{head}: {m.arm} is {'more' if e.ci[0] > 1 else 'less'} compute-efficient than {reference}."
