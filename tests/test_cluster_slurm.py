@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -110,16 +111,60 @@ def cluster_view(run_dirs: list[Path]) -> str:
             f"status: {[executors.read_json(d / 'status.json') for d in run_dirs]}\nlogs: {tails}")
 
 
-# Steps of a run preempted after step 8: enough that it is still training when SLURM's preemption lands
-# (with 30, a run on tcmalloc's faster steps once finished first, and the test saw no preemption; with
-# 100 the preemption landed at step 9, and the reference and resumed runs took ~110 s of the test).
+# Steps of a real run preempted after step 8 (preempt_held keeps it from finishing first).
 PREEMPTED_STEPS = 60
+URGENT = ["srun", "-p", "urgent", "-N2", "-n2", "--job-name=urgent", "true"]
 
 
 def preempt_with_urgent_job() -> None:
     """A job in the higher-priority partition that needs both nodes: SLURM preempts the running batch job."""
-    subprocess.run(["srun", "-p", "urgent", "-N2", "-n2", "--job-name=urgent", "true"],
-                   check=True, timeout=180, capture_output=True)
+    subprocess.run(URGENT, check=True, timeout=180, capture_output=True)
+
+
+def job_pythons(job_id: str) -> list[int]:
+    """This host's Python processes of SLURM job `job_id` (both emulated nodes run here)."""
+    python, found = Path(sys.executable).resolve(), []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if (proc.name.isdigit() and (proc / "exe").resolve() == python
+                    and f"SLURM_JOB_ID={job_id}".encode() in (proc / "environ").read_bytes().split(b"\0")):
+                found.append(int(proc.name))
+    return found
+
+
+def signal_pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits, undelivered, for process `pid` (or one of its threads)."""
+    masks = [line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+             if line.startswith(("SigPnd:", "ShdPnd:"))]  # fmt: skip
+    return any(int(mask, 16) >> (signum - 1) & 1 for mask in masks)
+
+
+def stopped(pid: int) -> bool:
+    """Stopped by a signal (and not continued since: SLURM may send SIGCONT with its own signals)."""
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    return False
+
+
+def preempt_held(job_id: str) -> None:
+    """preempt_with_urgent_job while the job's Python processes are stopped, until SLURM's preemption
+    signal (USR2) is pending for them, or something continued them: the preemption lands mid-run however fast this machine trains
+    (a run free to go on finished its 60 steps before the scheduler acted, on a fast enough CPU)."""
+    held = job_pythons(job_id)
+    assert held, f"no process of job {job_id} on this host"
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        urgent = subprocess.Popen(URGENT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 180
+        while all(stopped(pid) for pid in held) and not any(signal_pending(pid, signal.SIGUSR2) for pid in held):
+            assert time.time() < deadline and urgent.poll() is None, f"job {job_id} was never signalled"
+            time.sleep(0.1)
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert urgent.wait(timeout=180) == 0
 
 
 def wait_step(run_dir: Path, step: int, timeout: float = 180) -> None:
@@ -286,7 +331,7 @@ def test_real_preemption_resumes_to_the_uninterrupted_loss(slurm_cluster, prepar
     (run,) = submit_real(interrupted, *overrides, sweep=evaluated)["runs"]
     run_dir = Path(run["run_dir"])
     wait_step(run_dir, 8, timeout=600)
-    preempt_with_urgent_job()
+    preempt_held(run["job_id"])
     (ref,) = submit_real(reference, *overrides, sweep=one_arm_sweep)["runs"]
     ref_dir = Path(ref["run_dir"])
     assert set(wait_done([run_dir, ref_dir], timeout=1200).values()) == {"completed"}
@@ -364,7 +409,7 @@ def test_sbatch_template_trains_and_requeues_itself_after_preemption(slurm_clust
     )
     job = out.stdout.strip()
     wait_step(run_dir, 8, timeout=600)
-    preempt_with_urgent_job()
+    preempt_held(job)
     assert wait_done([run_dir], timeout=900)[run_dir] == "completed"
     kinds = [e["event"] for e in events(run_dir) if e.get("event")]
     assert "preempt" in kinds and "resume" in kinds, kinds
