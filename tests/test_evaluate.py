@@ -152,6 +152,16 @@ def harness_loglikelihood(run_dir: Path) -> Callable[[str, str], tuple[float, bo
     return loglik
 
 
+def test_eval_prints_no_library_progress_or_notices(runs, tmp_path):
+    """datasets' progress bars (a fresh cache builds the local tasks' splits) and transformers'
+    tokenizer-length notice (the tiny model's 64-token context) stay out of eval's output."""
+    r = nlq("eval", str(runs["linear"]), "--tasks", "nlq_lastword,nlq_cloze", "--limit", "5",
+            env={"HF_DATASETS_CACHE": str(tmp_path / "hf")})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    for noise in ("Generating test split", "Token indices sequence length"):
+        assert noise not in r.stderr, r.stderr
+
+
 def test_bad_eval_input_exits_2_with_one_line(runs, tmp_path):
     assert "unknown lm-eval task" in refused("eval", str(runs["linear"]), "--tasks", "no_such_task")
     assert "not a run directory" in refused("eval", str(tmp_path), "--tasks", "nlq_cloze")

@@ -12,6 +12,9 @@ VERBOSE_ENV = "NLQ_SCALE_VERBOSE"  # set by `nlq-scale --verbose`; inherited by 
 _NOISY_MODULES = r"(megatron|torch\.distributed|torch\.utils\.cpp_extension|deepspeed|streaming)(\..*)?"
 
 
+_QUIET_ENV = {"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
 def quiet_libraries() -> None:
     if os.environ.get(VERBOSE_ENV):
         return
@@ -21,6 +24,11 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     # DeepSpeed sets its logger's level back when imported (after this): a filter stays
     logging.getLogger("DeepSpeed").addFilter(_errors_only)
+    # What export, generate and eval drive reports through its environment, read when it is imported:
+    # datasets' and lm-eval's progress bars (tqdm takes its defaults from TQDM_*; a bar of ours passes
+    # `disable` itself) and transformers' notices (the tokenizer's length notice on every long prompt).
+    for name, value in _QUIET_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def _errors_only(record: logging.LogRecord) -> bool:
