@@ -259,12 +259,17 @@ def sample_dataset(tmp_path_factory) -> Path:
     return out
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter /proc gives process `pid` (R, S, T stopped, Z zombie, ...), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
 def ended(pid: int) -> bool:
     """Gone, or a zombie its parent has not reaped yet (which `kill -0` still finds)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    return process_state(pid) in (None, "Z")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -22,7 +22,8 @@ from nlq_scale.train.rundir import STALE_FLOOR_S, Status, is_stale
 from tests.test_cluster_jobs import planned, toy_loss, toy_train
 from tests.conftest import ended, nlq
 from tests.test_cluster_slurm import (  # noqa: F401 - fixtures: the session's local SLURM and dataset
-    START, events, local_slurm, one_arm_sweep, prepared_data, slurm_cluster, submit_real, wait_done, wait_step,
+    START, events, job_processes, local_slurm, one_arm_sweep, prepared_data, slurm_cluster, submit_real, wait_done,
+    wait_step,
 )
 
 
@@ -120,23 +121,6 @@ def test_a_second_submission_of_a_sweep_waits_for_the_first(tmp_path):
         order.append("first")
     other.join(timeout=10)
     assert order == ["other sweep", "first", "second"]
-
-
-def job_processes(job_id: str, node: str | None = None) -> list[int]:
-    """The Python processes of a SLURM (array) job on this host, on one emulated node or all."""
-    array_id, _, task = job_id.partition("_")
-    want = {f"SLURM_ARRAY_JOB_ID={array_id}", f"SLURM_ARRAY_TASK_ID={task}"} if task else {f"SLURM_JOB_ID={job_id}"}
-    want |= {f"SLURMD_NODENAME={node}"} if node else set()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            environ = set((proc / "environ").read_bytes().split(b"\0"))
-            exe = os.readlink(proc / "exe")
-        except (OSError, ValueError):
-            continue
-        if "python" in Path(exe).name and all(w.encode() in environ for w in want):
-            pids.append(int(proc.name))
-    return pids
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ import pytest
 from nlq_scale.cluster import executors
 from nlq_scale.cluster.plan import load_cluster
 from nlq_scale.cluster.status import collect
-from tests.conftest import nlq
+from tests.conftest import nlq, process_state
 from tests.test_cluster_jobs import (
     FAIL_TAG, TEST_SWEEP, planned, prepare_text_dataset, toy_loss, toy_train, wait_states,
 )
@@ -121,15 +121,21 @@ def preempt_with_urgent_job() -> None:
     subprocess.run(URGENT, check=True, timeout=180, capture_output=True)
 
 
-def job_pythons(job_id: str) -> list[int]:
-    """This host's Python processes of SLURM job `job_id` (both emulated nodes run here)."""
-    python, found = Path(sys.executable).resolve(), []
+def job_processes(job_id: str, node: str | None = None) -> list[int]:
+    """The Python processes of a SLURM (array) job on this host, on one emulated node or all."""
+    array_id, _, task = job_id.partition("_")
+    want = {f"SLURM_ARRAY_JOB_ID={array_id}", f"SLURM_ARRAY_TASK_ID={task}"} if task else {f"SLURM_JOB_ID={job_id}"}
+    want |= {f"SLURMD_NODENAME={node}"} if node else set()
+    pids = []
     for proc in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if (proc.name.isdigit() and (proc / "exe").resolve() == python
-                    and f"SLURM_JOB_ID={job_id}".encode() in (proc / "environ").read_bytes().split(b"\0")):
-                found.append(int(proc.name))
-    return found
+        try:
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+            exe = os.readlink(proc / "exe")
+        except (OSError, ValueError):
+            continue
+        if "python" in Path(exe).name and all(w.encode() in environ for w in want):
+            pids.append(int(proc.name))
+    return pids
 
 
 def signal_pending(pid: int, signum: int) -> bool:
@@ -139,25 +145,20 @@ def signal_pending(pid: int, signum: int) -> bool:
     return any(int(mask, 16) >> (signum - 1) & 1 for mask in masks)
 
 
-def stopped(pid: int) -> bool:
-    """Stopped by a signal (and not continued since: SLURM may send SIGCONT with its own signals)."""
-    with contextlib.suppress(FileNotFoundError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    return False
-
-
 def preempt_held(job_id: str) -> None:
     """preempt_with_urgent_job while the job's Python processes are stopped, until SLURM's preemption
-    signal (USR2) is pending for them, or something continued them: the preemption lands mid-run however fast this machine trains
-    (a run free to go on finished its 60 steps before the scheduler acted, on a fast enough CPU)."""
-    held = job_pythons(job_id)
+    signal (USR2) is pending for them, or something continued them: the preemption lands mid-run however
+    fast this machine trains (a run free to go on could finish its 60 steps before the scheduler acted)."""
+    held = job_processes(job_id)
     assert held, f"no process of job {job_id} on this host"
     for pid in held:
         os.kill(pid, signal.SIGSTOP)
     try:
         urgent = subprocess.Popen(URGENT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 180
-        while all(stopped(pid) for pid in held) and not any(signal_pending(pid, signal.SIGUSR2) for pid in held):
+        # SLURM may continue them itself (SIGCONT with its own signals): then they handle USR2 already
+        while (all(process_state(pid) == "T" for pid in held)
+               and not any(signal_pending(pid, signal.SIGUSR2) for pid in held)):
             assert time.time() < deadline and urgent.poll() is None, f"job {job_id} was never signalled"
             time.sleep(0.1)
     finally:
