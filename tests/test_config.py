@@ -1,9 +1,19 @@
+import ast
+import subprocess
+import sys
+from importlib.util import resolve_name
+from pathlib import Path
+
 import pytest
 import yaml
 
 from nlq_scale.config import available, load_run_config, parse_overrides
 from nlq_scale.errors import UsageError
-from tests.conftest import nlq
+from tests.conftest import REPO, nlq
+
+# The layers under the config, lowest first: the schema derives model.arm from the arm registry and
+# solves a matched MLP width with the accounting, so nothing below it may import what sits above.
+CONFIG_LAYERS = ("nlq_scale.shape", "nlq_scale.arms", "nlq_scale.model.accounting", "nlq_scale.config.schema")
 
 
 def test_layers_scale_arm_file_and_overrides(tmp_path):
@@ -123,3 +133,66 @@ def test_shipped_gpu_scales_validate_on_enough_tokens_for_a_0_005_nat_standard_e
     for scale in ("124m", "350m", "760m", "1.3b", "2.7b", "6.7b", "13b", "175b"):
         n = load_run_config(scale).data.val_sequences
         assert 0.45 / n**0.5 < 0.005, (scale, n)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(node: ast.Import | ast.ImportFrom, package: str, modules: set[str]) -> set[str]:
+    """The package's modules an import statement loads: `from a import b` loads a.b when it is one."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names} & modules
+    base = resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
+    return {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names} & modules
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Every nlq_scale module -> the nlq_scale modules it imports anywhere: at the top, under
+    TYPE_CHECKING or inside a function (an import deferred to dodge a cycle still closes it). The
+    registry's import_module of each shipped arm is no import statement, so it is not an edge."""
+    paths = {module_name(p): p for p in (REPO / "nlq_scale").rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        nodes = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import | ast.ImportFrom)]
+        graph[name] = set().union(*(imported_modules(n, package, set(paths)) for n in nodes)) - {name}
+    return graph
+
+
+def cycle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """An import path from start back to start, or None."""
+    paths, seen = [[start]], {start}
+    while paths:
+        path = paths.pop()
+        for after in sorted(graph.get(path[-1], ())):
+            if after == start:
+                return [*path, start]
+            if after not in seen:
+                seen.add(after)
+                paths.append([*path, after])
+    return None
+
+
+def test_no_import_cycle_runs_through_the_config_layers():
+    graph = package_imports()
+    in_layers = [m for m in graph if any(m == layer or m.startswith(layer + ".") for layer in CONFIG_LAYERS)]
+    cycles = [" -> ".join(c) for c in (cycle_through(graph, m) for m in in_layers) if c]
+    assert not cycles, "\n".join(cycles)
+
+
+@pytest.mark.parametrize("layer", CONFIG_LAYERS)
+def test_each_config_layer_imports_first_without_the_layers_above(layer):
+    above = CONFIG_LAYERS[CONFIG_LAYERS.index(layer) + 1 :]
+    code = f"import sys, {layer}; print([m for m in {above!r} if m in sys.modules])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", f"importing {layer} loads {r.stdout.strip()}"
+
+
+def test_model_config_has_every_field_the_arms_and_accounting_read():
+    from nlq_scale.config.schema import ModelConfig
+    from nlq_scale.shape import ModelShape
+
+    assert isinstance(ModelConfig(), ModelShape)

@@ -6,7 +6,8 @@ arm with a missing piece, so a new arm fails at import (and in tests/test_arms.p
 
 This module and the arms' top levels import only pydantic: the config schema derives `model.arm`
 and the per-arm option sections from the registry, and config loading must stay cheap. Torch and
-megatron are imported inside the methods that build modules.
+megatron are imported inside the methods that build modules. The methods take the resolved model
+config as a `ModelShape` (nlq_scale.shape), so the arms never import the schema that imports them.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field, PositiveInt, model_validator
 
+from nlq_scale.shape import ModelShape, linear_params, norm_params
 from nlq_scale.strict import Activation, Strict, renamed
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
     from torch import nn
-
-    from nlq_scale.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class QueryMLPOptions(Strict):
     def _migrate(cls, data):
         return renamed(data, "rank", "width", f"model.{cls.section}")
 
-    def width_for(self, m: ModelConfig) -> int:
+    def width_for(self, m: ModelShape) -> int:
         return self.width or m.hidden_size // 2
 
 
@@ -69,17 +69,7 @@ class NormedQueryMLPOptions(QueryMLPOptions):
     )
 
 
-def linear_params(m: ModelConfig, fan_in: int, fan_out: int) -> int:
-    return fan_in * fan_out + (fan_out if m.add_bias_linear else 0)
-
-
-def norm_params(m: ModelConfig, width: int, kind: str | None = None) -> int:
-    """A LayerNorm has a gain and (unless model.norm_bias=false) a bias; an RMSNorm has a gain."""
-    kind = kind or m.normalization
-    return width * (2 if kind == "LayerNorm" and m.norm_bias else 1)
-
-
-def query_width(m: ModelConfig) -> int:
+def query_width(m: ModelShape) -> int:
     return m.num_attention_heads * m.head_dim
 
 
@@ -95,7 +85,7 @@ def export_recipe(
     return {"x": x, "x_head_rms": x_head_rms, "q_proj": q_proj, "q_mlp": q_mlp, "pre": pre, "skip": skip}
 
 
-def linear_names(m: ModelConfig, reference: str, megatron: str, export: str) -> list[WeightName]:
+def linear_names(m: ModelShape, reference: str, megatron: str, export: str) -> list[WeightName]:
     """A linear layer's weight (and bias with model.add_bias_linear) under its three names."""
     names = [WeightName(f"{reference}.weight", f"{megatron}.weight", f"{export}.weight", True)]
     if m.add_bias_linear:
@@ -103,7 +93,7 @@ def linear_names(m: ModelConfig, reference: str, megatron: str, export: str) -> 
     return names
 
 
-def norm_names(m: ModelConfig, reference: str, megatron: str, export: str, kind: str) -> list[WeightName]:
+def norm_names(m: ModelShape, reference: str, megatron: str, export: str, kind: str) -> list[WeightName]:
     """A norm's gain (and bias for a LayerNorm with model.norm_bias) under its three names."""
     params = ("weight", "bias") if kind == "LayerNorm" and m.norm_bias else ("weight",)
     return [WeightName(f"{reference}.{p}", f"{megatron}.{p}", f"{export}.{p}", False) for p in params]
@@ -135,11 +125,11 @@ class Arm(ABC):
     # model.norm_bias=false, at the same attention (None: none is).
     nanogpt_mode: ClassVar[str | None] = None
 
-    def settings(self, m: ModelConfig) -> Any:
+    def settings(self, m: ModelShape) -> Any:
         """This arm's option section of the model config."""
         return getattr(m, self.options_key) if self.options_key else None
 
-    def check(self, m: ModelConfig) -> None:
+    def check(self, m: ModelShape) -> None:
         """Raise ValueError (one line) when the model shape does not fit the arm."""
         if m.transformer_impl == "transformer_engine" and not self.transformer_engine:
             raise ValueError(
@@ -152,54 +142,54 @@ class Arm(ABC):
             )
 
     @abstractmethod
-    def softmax_scale(self, m: ModelConfig) -> float:
+    def softmax_scale(self, m: ModelShape) -> float:
         """The default attention scale (model.softmax_scale overrides it)."""
 
     # ------------------------------------------------------------------ accounting
 
     @abstractmethod
-    def query_params(self, m: ModelConfig) -> dict[str, int]:
+    def query_params(self, m: ModelShape) -> dict[str, int]:
         """Parameters of the query path per layer, by component (K/V/output projections excluded).
         Names containing "norm" are replicated across tensor-parallel ranks, the rest split."""
 
-    def query_flops(self, m: ModelConfig) -> int:
+    def query_flops(self, m: ModelShape) -> int:
         """Training FLOPs per token per layer of the query path: 6 x its parameters (forward 2, backward 4)."""
         return 6 * sum(self.query_params(m).values())
 
     @abstractmethod
-    def activation_elements(self, m: ModelConfig, tokens: int) -> tuple[float, float]:
+    def activation_elements(self, m: ModelShape, tokens: int) -> tuple[float, float]:
         """Elements the query path keeps for backward per layer beyond the stock attention's
         (which already holds q, k, v and the context), for `tokens` = s x b tokens:
         (replicated on every tensor-parallel rank, split across them)."""
 
-    def recomputed_activation_elements(self, m: ModelConfig, tokens: int) -> tuple[float, float] | None:
+    def recomputed_activation_elements(self, m: ModelShape, tokens: int) -> tuple[float, float] | None:
         """What the query path keeps for backward (as `activation_elements`) when
         parallel.recompute_query frees its inner activations and recomputes them in backward, for
         arms whose query path has an MLP to recompute; None: nothing to recompute (the option does
         not change the arm)."""
         return None
 
-    def recomputes_query(self, m: ModelConfig, requested: bool) -> bool:
+    def recomputes_query(self, m: ModelShape, requested: bool) -> bool:
         """Whether the built modules recompute the query path (parallel.recompute_query = requested)."""
         return requested and self.recomputed_activation_elements(m, 1) is not None
 
     # ------------------------------------------------------------------ modules
 
     @abstractmethod
-    def megatron_attention(self, m: ModelConfig, stock: ModuleSpec, column_linear: type) -> ModuleSpec:
+    def megatron_attention(self, m: ModelShape, stock: ModuleSpec, column_linear: type) -> ModuleSpec:
         """The layer's `self_attention` spec, given megatron's stock one (its q/k norms already set
         per model.qk_norm) and the backend's column-parallel linear (for a `linear_kv`)."""
 
     @abstractmethod
-    def reference_query(self, m: ModelConfig) -> nn.Module:
+    def reference_query(self, m: ModelShape) -> nn.Module:
         """The plain-PyTorch query path: forward(x [b, s, d]) -> q [b, s, heads * head_dim]. It may
         also define prepare(x) -> x (what Q/K/V see) and finish(x, y) -> y (after the output projection)."""
 
     @abstractmethod
-    def weight_names(self, m: ModelConfig) -> list[WeightName]:
+    def weight_names(self, m: ModelShape) -> list[WeightName]:
         """Every parameter of the query path (reference <-> megatron <-> export)."""
 
-    def export_query(self, m: ModelConfig) -> dict | None:
+    def export_query(self, m: ModelShape) -> dict | None:
         """How the exported model (nlq_scale.export) composes this arm's query path from the modules
         its `weight_names` export names hold, as plain JSON for the exported config (`export_recipe`):
         - x: weight of x in q (x_head_rms: of x divided by each head's RMS);
@@ -212,14 +202,14 @@ class Arm(ABC):
         None: the arm cannot be exported."""
         return None
 
-    def nanogpt_names(self, m: ModelConfig) -> dict[str, str]:
+    def nanogpt_names(self, m: ModelShape) -> dict[str, str]:
         """The nonlinear-query authors' nanoGPT attention parameters of this arm's query path, by
         their name within the attention -> our `WeightName.export` name (see `nanogpt_mode`); "c_attn.q"
         means the query rows of their fused c_attn."""
         return {}
 
 
-def inverse_sqrt_head_dim(m: ModelConfig) -> float:
+def inverse_sqrt_head_dim(m: ModelShape) -> float:
     return 1.0 / math.sqrt(m.head_dim)
 
 
@@ -227,19 +217,19 @@ class MLPArm(Arm):
     """An arm whose query path holds an MLP d -> width -> d (options: a `QueryMLPOptions`), at the
     stock attention scale."""
 
-    def width(self, m: ModelConfig) -> int:
+    def width(self, m: ModelShape) -> int:
         return self.settings(m).width_for(m)
 
-    def softmax_scale(self, m: ModelConfig) -> float:
+    def softmax_scale(self, m: ModelShape) -> float:
         return inverse_sqrt_head_dim(m)
 
-    def query_mlp_params(self, m: ModelConfig) -> dict[str, int]:
+    def query_mlp_params(self, m: ModelShape) -> dict[str, int]:
         """The query MLP's accounting: RMSNorm (d) -> W1 (d -> width) -> act -> W2 (width -> d)."""
         d, r = m.hidden_size, self.width(m)
         return {"nlq_rmsnorm": norm_params(m, d, "RMSNorm"), "nlq_w1": linear_params(m, d, r),
                 "nlq_w2": linear_params(m, r, d)}
 
-    def normed_mlp_elements(self, m: ModelConfig, tokens: int) -> tuple[float, float]:
+    def normed_mlp_elements(self, m: ModelShape, tokens: int) -> tuple[float, float]:
         """What act(W1 RMSNorm x) keeps for backward up to W2's input (`activation_elements`):
         the RMSNorm output (full vectors), W1's and the activation's outputs (split); with fuse_up
         no normalized x, but W1's GEMM output and it over rms(x) (split)."""

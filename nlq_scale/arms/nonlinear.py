@@ -16,8 +16,8 @@ from nlq_scale.arms.base import (
     export_recipe,
     linear_names,
     norm_names,
-    norm_params,
 )
+from nlq_scale.shape import norm_params
 
 
 class NonlinearQueryConfig(NormedQueryMLPOptions):

@@ -12,11 +12,10 @@ from nlq_scale.arms.base import (
     QueryMLPOptions,
     export_recipe,
     linear_names,
-    linear_params,
     norm_names,
-    norm_params,
     query_width,
 )
+from nlq_scale.shape import linear_params, norm_params
 
 
 class PreprojConfig(QueryMLPOptions):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from functools import cache
 
-from nlq_scale.arms.base import Arm, export_recipe, inverse_sqrt_head_dim, linear_names, linear_params, query_width
+from nlq_scale.arms.base import Arm, export_recipe, inverse_sqrt_head_dim, linear_names, query_width
+from nlq_scale.shape import linear_params
 
 
 @cache

@@ -31,12 +31,12 @@ from typing import Iterable, Literal
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError
 
 from nlq_scale import arms
-from nlq_scale.arms.base import norm_params
 from nlq_scale.cluster.sweep import RunSpec, SweepConfig, expand
 from nlq_scale.config.load import available, config_file, build_run_config, read_yaml, validation_message
 from nlq_scale.config.schema import ModelConfig, RunConfig, Strict
 from nlq_scale.errors import UsageError
 from nlq_scale.model.accounting import count_parameters, ffn_hidden_size, flops_per_token
+from nlq_scale.shape import norm_params
 
 GB = 1024**3
 

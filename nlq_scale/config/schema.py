@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, PositiveFloat, PositiveInt, create_model, field_validator, model_validator
 
 from nlq_scale import arms
+from nlq_scale.model.accounting import matched_ffn_hidden_size
 from nlq_scale.strict import Strict
 
 ARMS = arms.names()
@@ -142,8 +143,6 @@ class _ModelFields(Strict):
     def _solve_matched_width(self) -> None:
         """Resolve match_params_of once, here at the edge, into the concrete MLP width every part
         then reads. Written past validate_assignment, which would re-enter this validator."""
-        from nlq_scale.model.accounting import matched_ffn_hidden_size  # accounting imports this module
-
         solved = matched_ffn_hidden_size(self)
         if self.ffn_hidden_size is None:
             self.__dict__["ffn_hidden_size"] = solved

@@ -13,17 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nlq_scale import arms
-from nlq_scale.arms.base import linear_params, norm_params
-from nlq_scale.config.schema import ModelConfig
+from nlq_scale.shape import ModelShape, linear_params, norm_params
 
 
-def ffn_hidden_size(m: ModelConfig) -> int:
+def ffn_hidden_size(m: ModelShape) -> int:
     """The MLP width: model.ffn_hidden_size (which loading solves for a parameter-matched control),
     else mlp_ratio x hidden_size."""
     return m.ffn_hidden_size or int(round(m.mlp_ratio * m.hidden_size))
 
 
-def layer_params(m: ModelConfig) -> dict[str, int]:
+def layer_params(m: ModelShape) -> dict[str, int]:
     d, dk = m.hidden_size, m.head_dim
     q_width, kv_width = m.num_attention_heads * dk, 2 * m.query_groups * dk
     ffn = ffn_hidden_size(m)
@@ -59,7 +58,7 @@ class ParamCount:
         }
 
 
-def count_parameters(m: ModelConfig) -> ParamCount:
+def count_parameters(m: ModelShape) -> ParamCount:
     d, vocab = m.hidden_size, m.padded_vocab_size
     per_layer = layer_params(m)
     blocks = m.num_layers * sum(per_layer.values()) + norm_params(m, d)  # + final layernorm
@@ -75,7 +74,7 @@ def count_parameters(m: ModelConfig) -> ParamCount:
     return ParamCount(blocks + embedding, blocks, embedding, per_layer, active)
 
 
-def flops_per_token(m: ModelConfig) -> int:
+def flops_per_token(m: ModelShape) -> int:
     """Training FLOPs per token (forward + backward)."""
     arm = arms.get(m.arm)
     counts = count_parameters(m)
@@ -86,7 +85,7 @@ def flops_per_token(m: ModelConfig) -> int:
     return matmul + attention
 
 
-def matched_ffn_hidden_size(m: ModelConfig) -> int:
+def matched_ffn_hidden_size(m: ModelShape) -> int:
     """The MLP width at which m's non-embedding parameters equal those of arm `m.match_params_of` at
     the same shape (the parameter-matched control). The config's validation calls this once, when
     the config is loaded, and stores the result in model.ffn_hidden_size."""
