@@ -1,5 +1,5 @@
 """The megatron engine saves the optimizer state from its own tensors and loads it into them,
-writes in its own process and reads stored tensors straight into their targets (compat.megatron):
+writes in its own process and reads stored tensors straight into their targets (compat.megatron_save, compat.megatron_load):
 it must write the very checkpoint megatron's own save writes, in the background too, without
 forking; restore the very bits megatron's own load restores (at the layout the checkpoint was
 saved at and at others); and read less through torch."""
@@ -118,7 +118,7 @@ STORED = {  # tensor, and whether its storage holds exactly it in row-major orde
 def test_a_stored_tensors_header_says_what_torch_load_says(tensor, whole):
     """compat.torch.stored_tensor parses what torch.load parses (onto the meta device), without
     torch: the direct read trusts its dtype, shape, strides and where the bytes start."""
-    from nlq_scale.compat.megatron import _Window
+    from nlq_scale.compat.megatron_load import _Window
     from nlq_scale.compat.torch import stored_tensor
 
     item = saved(tensor)
@@ -161,7 +161,7 @@ def test_an_item_saved_big_endian_is_not_read_directly():
 
 
 def test_a_window_reads_and_seeks_only_its_own_bytes():
-    from nlq_scale.compat.megatron import _Window
+    from nlq_scale.compat.megatron_load import _Window
 
     window = _Window(io.BytesIO(bytes(range(20))), 5, 10)
     assert window.read() == bytes(range(5, 15))
@@ -225,11 +225,11 @@ def test_a_load_in_the_saved_layout_reads_every_tensor_without_planning(single_r
     chunk, with no resharding plan, and the engine holds again every bit it saved, after training
     on other data in between. Read as a device target is (through reused host memory, then
     copied), on CPU targets here, too."""
-    from nlq_scale.compat import megatron as megatron_compat
+    from nlq_scale.compat import megatron_load
     from tests.scripts import deepspeed_engine as s
     from tests.scripts.megatron_load import differing_bits, state
 
-    monkeypatch.setattr(megatron_compat, "_staged", lambda target: staged)
+    monkeypatch.setattr(megatron_load, "_staged", lambda target: staged)
 
     overrides = ["model.moe.num_experts=2"]
     engine, expected = saved_engine(tmp_path, overrides)
@@ -276,7 +276,7 @@ def test_background_saves_write_the_state_they_were_started_at(single_rank, tmp_
     wrote, since whatever shares memory with the state was copied at the start, into the same
     host memory both times. The copies megatron made itself (of the views it clones) are written
     as they are, not copied again."""
-    from nlq_scale.compat import megatron as megatron_compat
+    from nlq_scale.compat import megatron_save
     from nlq_scale.train import engine_megatron
     from nlq_scale.train.writers import ThreadWriter
     from tests.scripts import deepspeed_engine as s
@@ -293,9 +293,9 @@ def test_background_saves_write_the_state_they_were_started_at(single_rank, tmp_
         snapshots[-1].append(None if copy is tensor else copy.data_ptr())
         return copy
 
-    original = megatron_compat.HostCopies.snapshot
+    original = megatron_save.HostCopies.snapshot
     monkeypatch.setitem(engine_megatron.WRITERS, "thread", HeldBack)
-    monkeypatch.setattr(megatron_compat.HostCopies, "snapshot", snapshot)
+    monkeypatch.setattr(megatron_save.HostCopies, "snapshot", snapshot)
     cfg = s.config([])
     engine, _ = saved_engine(tmp_path, [])  # trained two steps, saved synchronously into tmp_path/ckpt
     for save in range(2):

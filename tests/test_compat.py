@@ -72,17 +72,17 @@ def test_no_private_upstream_use_outside_compat():
 
 
 def test_grad_norm_fallback_on_the_device_matches_megatrons():
-    """compat.megatron.device_grad_norm_fallback: the norm megatron's clipping computes without Apex
+    """compat.megatron_shim.device_grad_norm_fallback: the norm megatron's clipping computes without Apex
     or TE, found without a host round trip per tensor, equal to megatron's own fallback."""
     import torch
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
-    from nlq_scale.compat import megatron as megatron_compat
+    from nlq_scale.compat import megatron_shim
 
     torch.manual_seed(0)
     grads = [torch.randn(n) * s for n, s in ((7, 1.0), (300, 1e-3), (64, 20.0), (1, 0.5))]
-    megatron_compat.device_grad_norm_fallback()
+    megatron_shim.device_grad_norm_fallback()
     assert clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm
     ours, _ = clip_grads.l2_norm_impl(2048 * 32, None, [grads], False)
     theirs = torch.norm(torch.tensor([torch.norm(g) for g in grads]))  # the fallback's math, on the host

@@ -168,7 +168,7 @@ def test_saved_at_tp2_or_pp2_resumes_at_dp2_within_tolerance(uninterrupted, samp
     """Resharding across TP and PP on resume: the same stream, every val loss within 1e-4 of a run
     trained straight through from the same start (the summation order differs, so not bit-exact),
     the change recorded. PP=2 puts the tied embedding in a bucket of its own: the case
-    megatron-core 0.16.1 saved wrongly (compat.megatron.in_place_optimizer_state)."""
+    megatron-core 0.16.1 saved wrongly (compat.megatron_optimizer.in_place_optimizer_state)."""
     engine, uninterrupted = uninterrupted
     for saved_at, own_init in SAVED_AT[engine]:
         args = train_args(tmp_path / saved_at, sample_dataset, "nonlinear", f"train.engine={engine}")

@@ -1,5 +1,7 @@
-"""Every private upstream API the project touches, one module per library (megatron, streaming,
-deepspeed, submitit, torch, tiktoken; megatron's jit_fuser in a light module of its own). Each
+"""Every private upstream API the project touches, one module per library (streaming, deepspeed,
+submitit, torch, tiktoken) and for megatron-core one per concern (the CPU shim's patch points,
+the distributed optimizer's state, checkpoint writes, checkpoint reads, and the jit_fuser in a
+light module that `import nlq_scale` loads). Each
 module states the versions it was written for (`WRITTEN_FOR`) and lists what it relies on
 (`RELIES_ON`); tests/test_compat.py checks both against the installed library, so an upstream change
 fails there, by name, instead of deep inside a run."""
@@ -11,7 +13,10 @@ import inspect
 from dataclasses import dataclass
 
 MODULES = (
-    "nlq_scale.compat.megatron",
+    "nlq_scale.compat.megatron_shim",
+    "nlq_scale.compat.megatron_optimizer",
+    "nlq_scale.compat.megatron_save",
+    "nlq_scale.compat.megatron_load",
     "nlq_scale.compat.megatron_jit",
     "nlq_scale.compat.streaming",
     "nlq_scale.compat.deepspeed",

@@ -5,7 +5,8 @@ decorate their functions with it at import time, so `import megatron.core` impor
 inductor (~2.5 s a process on a CPU core) even in a run that never calls a fused function (a CPU
 run: model/gpt.py turns the fusions off). torch.compile compiles on first call anyway;
 `deferred_compile` only moves the torch.compile call itself there, so a run that calls a fused
-function compiles it as before. Kept apart from compat/megatron.py because `import nlq_scale`
+function compiles it as before. megatron-core 0.19's MoE router (imported by the pipeline
+schedules) also decorates a method with torch.compile itself; it is deferred the same way. Kept apart from the other megatron compat modules because `import nlq_scale`
 installs it: this module imports nothing heavy."""
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from typing import Any
 from nlq_scale.compat import Private
 
 DISTRIBUTION = "megatron-core"
-WRITTEN_FOR = "==0.16.*"  # read against 0.16.1
+WRITTEN_FOR = "==0.19.*"  # read against 0.19.2
 
 JIT_MODULE = "megatron.core.jit"
+# Compiles at class definition with torch.compile itself (InferenceTopKRouter's routing), and is
+# imported by megatron's pipeline schedules, so by every training process.
+ROUTER_MODULE = "megatron.core.transformer.moe.router"
 RELIES_ON = (
     Private(JIT_MODULE, "jit_fuser"),
     Private(f"{JIT_MODULE}:enable_jit_fuser", "jit_fuser = torch.compile", in_source=True),
+    Private(f"{ROUTER_MODULE}:InferenceTopKRouter", "_compiled_topk_routing"),
 )
 
 
@@ -46,23 +51,30 @@ def deferred_compile(fn: Callable) -> Callable:
     return call
 
 
-class _DeferJitFuser(importlib.abc.MetaPathFinder):
-    """Finds megatron.core.jit with the other finders, its loader wrapped in `_SwapAfterExec`."""
+class _DeferCompiles(importlib.abc.MetaPathFinder):
+    """Finds megatron.core.jit and the MoE router with the other finders, their loaders wrapped in
+    `_DeferringLoader`; each module once."""
+
+    def __init__(self) -> None:
+        self.pending = {JIT_MODULE, ROUTER_MODULE} - set(sys.modules)
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != JIT_MODULE:
+        if fullname not in self.pending:
             return None
-        sys.meta_path.remove(self)  # one module, once
+        self.pending.discard(fullname)
+        if not self.pending:
+            sys.meta_path.remove(self)
         spec = next(filter(None, (f.find_spec(fullname, path, target) for f in sys.meta_path
-                                  if hasattr(f, "find_spec"))), None)  # fmt: skip
+                                  if hasattr(f, "find_spec") and f is not self)), None)  # fmt: skip
         if spec is not None:
-            spec.loader = _SwapAfterExec(spec.loader)
+            spec.loader = _DeferringLoader(spec.loader)
         return spec
 
 
-class _SwapAfterExec(importlib.abc.Loader):
-    """Runs megatron.core.jit, then swaps a `jit_fuser` that is torch.compile for `deferred_compile`,
-    before any fusion module reads it."""
+class _DeferringLoader(importlib.abc.Loader):
+    """Runs the module with torch.compile standing for `deferred_compile` (what it decorates at
+    import compiles at its first call), then swaps a `jit_fuser` that is torch.compile for
+    `deferred_compile`, before any fusion module reads it."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
@@ -71,8 +83,15 @@ class _SwapAfterExec(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        self.loader.exec_module(module)
-        if module.jit_fuser is module.torch.compile:
+        import torch
+
+        compile_ = torch.compile
+        torch.compile = deferred_compile  # for this module's body only: imports run one at a time
+        try:
+            self.loader.exec_module(module)
+        finally:
+            torch.compile = compile_
+        if getattr(module, "jit_fuser", None) is compile_:
             module.jit_fuser = deferred_compile
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename...: the wrapped loader's
@@ -80,6 +99,8 @@ class _SwapAfterExec(importlib.abc.Loader):
 
 
 def defer_jit_fuser() -> None:
-    """Install the swap for this process, unless megatron.core.jit was imported already."""
-    if JIT_MODULE not in sys.modules and not any(isinstance(f, _DeferJitFuser) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DeferJitFuser())
+    """Install the deferral for this process, for the modules not imported already."""
+    if not any(isinstance(f, _DeferCompiles) for f in sys.meta_path):
+        finder = _DeferCompiles()
+        if finder.pending:
+            sys.meta_path.insert(0, finder)

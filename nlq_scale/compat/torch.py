@@ -1,7 +1,7 @@
 """torch internals: the weak tensor-keyed dict the device check uses, stopping a DataLoader's
 worker processes, the private names and plain-pickle read of torch.distributed.checkpoint
 metadata that train/untrusted.py guards, and reading what a torch.save'd tensor's header says
-(runtime/device_check.py, data/loader.py, train/untrusted.py and compat/megatron.py go through
+(runtime/device_check.py, data/loader.py, train/untrusted.py and compat/megatron_load.py go through
 here)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from nlq_scale.compat import Private
 
 DISTRIBUTION = "torch"
-WRITTEN_FOR = ">=2.6,<2.15"  # read against 2.14.1; the floor is megatron-core's
+WRITTEN_FOR = ">=2.6,<2.16"  # read against 2.15.0; the floor is megatron-core's
 
 # Globals besides dataclasses, enums and torch constants that torch.distributed.checkpoint's
 # `.metadata` pickles: (module, name) pairs.
@@ -32,7 +32,7 @@ RELIES_ON = (
     # untrusted.check_metadata exists because of this: `.metadata` is read with plain pickle.
     Private("torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata", "pickle.load(", in_source=True),
     Private("torch.utils.data.dataloader:_MultiProcessingDataLoaderIter", "_shutdown_workers", params=()),
-    # compat.megatron.direct_tensor_reads: a torch.distributed.checkpoint item is a torch.save'd tensor
+    # compat.megatron_load.direct_tensor_reads: a torch.distributed.checkpoint item is a torch.save'd tensor
     # at (offset, length) of its file, which torch's reader torch.loads (stored_tensor reads its header).
     Private("torch.distributed.checkpoint.filesystem:FileSystemReader.read_data",
             "torch.load(", in_source=True),

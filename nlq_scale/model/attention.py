@@ -13,6 +13,7 @@ from typing import Any, Union
 import torch
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
@@ -27,14 +28,16 @@ class QueryVariantSubmodules:
     linear_kv: Any
     core_attention: Any
     linear_proj: Union[ModuleSpec, type, None] = None
-    q_layernorm: Union[ModuleSpec, type, None] = None
-    k_layernorm: Union[ModuleSpec, type, None] = None
+    q_layernorm: Any = None  # a norm class or functools.partial; None or IdentityOp: no norm
+    k_layernorm: Any = None
 
 
-def _head_norm(spec, config: TransformerConfig, head_dim: int):
-    if spec is None:
+def _head_norm(norm: Any, config: TransformerConfig, head_dim: int):
+    """A q/k norm as megatron's SelfAttention builds it: since megatron-core 0.17 a layer calls its
+    norms directly (no ModuleSpec), and IdentityOp in the stock spec means none."""
+    if norm is None or norm is IdentityOp:
         return None
-    return build_module(spec, hidden_size=head_dim, config=config, eps=config.layernorm_epsilon)
+    return norm(hidden_size=head_dim, config=config, eps=config.layernorm_epsilon)
 
 
 class QueryVariantAttention(Attention):
@@ -46,6 +49,8 @@ class QueryVariantAttention(Attention):
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        pp_layer_offset: int | None = None,
+        name: str | None = None,
     ) -> None:
         super().__init__(
             config=config,
@@ -55,6 +60,8 @@ class QueryVariantAttention(Attention):
             attention_type="self",
             cp_comm_type=cp_comm_type,
             pg_collection=pg_collection,
+            pp_layer_offset=pp_layer_offset,
+            name=name,
         )
         self.query = build_module(submodules.query, config=self.config, tp_group=self.pg_collection.tp)
         self.graphed_query = GraphedQuery(self.query) if self.config.graph_query else None
@@ -70,6 +77,7 @@ class QueryVariantAttention(Attention):
             is_expert=False,
             tp_comm_buffer_name="kv",
             tp_group=self.pg_collection.tp,
+            name=None if name is None else f"{name}.linear_kv",
         )
         self.q_layernorm = _head_norm(submodules.q_layernorm, self.config, self.hidden_size_per_attention_head)
         self.k_layernorm = _head_norm(submodules.k_layernorm, self.config, self.hidden_size_per_attention_head)

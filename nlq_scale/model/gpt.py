@@ -7,6 +7,7 @@ local spec is the CPU path; the Transformer Engine spec is selectable for GPUs (
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +76,9 @@ def transformer_config(
         attention_dropout=0.0,
         init_method_std=m.init_std,
         softmax_scale=softmax_scale(m),
-        qk_layernorm=m.qk_norm == "learned",
+        # megatron builds the q/k norms the spec names only when this is set (it refuses a spec norm
+        # otherwise); model.qk_norm=rms names our parameter-free one.
+        qk_layernorm=m.qk_norm != "none",
         num_moe_experts=m.moe.num_experts,
         moe_router_topk=m.moe.router_topk,
         moe_aux_loss_coeff=m.moe.aux_loss_coeff,
@@ -124,7 +127,7 @@ def _stock_spec(m: ModelConfig) -> ModuleSpec:
     if m.qk_norm == "rms":
         attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
     if _block_norms_are_ours(m):
-        norm = ModuleSpec(module=BlockNorm, params={"bias": m.norm_bias})
+        norm = block_norm(m)
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
         if learned:
             attention.q_layernorm = attention.k_layernorm = norm
@@ -166,8 +169,14 @@ def block_spec(m: ModelConfig, config: TransformerConfig) -> ModuleSpec | Transf
         return spec
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config),
-        layer_norm=ModuleSpec(module=BlockNorm, params={"bias": m.norm_bias}),
+        layer_norm=block_norm(m),
     )
+
+
+def block_norm(m: ModelConfig) -> functools.partial:
+    """Our block norm as megatron-core (>= 0.17) takes a norm: a callable it calls with hidden_size,
+    config and eps, not a ModuleSpec."""
+    return functools.partial(BlockNorm, bias=m.norm_bias)
 
 
 def seed_init(seed: int) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from nlq_scale.compat import deepspeed as deepspeed_compat
-from nlq_scale.compat import megatron as megatron_compat
+from nlq_scale.compat import megatron_shim
 
 # Tensor factories megatron calls with device='cuda' or pin_memory=True on CPU-only machines.
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like", "ones_like")
@@ -75,7 +75,7 @@ def _tensor_cuda_to_self(self: torch.Tensor, *_args: Any, **_kwargs: Any) -> tor
 
 
 def _cuda_type_names(original):
-    """Tensor.type() answers as if on CUDA, but only to megatron_compat.TYPE_STRING_CALL_SITES."""
+    """Tensor.type() answers as if on CUDA, but only to megatron_shim.TYPE_STRING_CALL_SITES."""
 
     @functools.wraps(original)
     def type_(self: torch.Tensor, *args: Any, **kwargs: Any):
@@ -83,7 +83,7 @@ def _cuda_type_names(original):
         if args or kwargs or self.device.type != "cpu":
             return result
         caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller in megatron_compat.TYPE_STRING_CALL_SITES:
+        if caller in megatron_shim.TYPE_STRING_CALL_SITES:
             return result.replace("torch.", "torch.cuda.", 1)
         return result
 
@@ -113,10 +113,9 @@ def apply() -> None:
     torch.Tensor.cuda = _tensor_cuda_to_self
     torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
 
-    megatron_compat.replace_cuda_rng_state_functions(_cpu_rng_state, _set_cpu_rng_state)
-    for name in megatron_compat.FACTORY_CALL_SITES:
+    megatron_shim.replace_cuda_rng_state_functions(_cpu_rng_state, _set_cpu_rng_state)
+    for name in megatron_shim.FACTORY_CALL_SITES:
         _patch_module_torch(name)
-    megatron_compat.bind_missing_te_general_gemm()
     torch.cuda._nlq_cpu_shim = True
 
 

@@ -29,7 +29,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from torch import Tensor
 
 from nlq_scale.compat import deepspeed as deepspeed_compat
-from nlq_scale.compat import megatron as megatron_compat
+from nlq_scale.compat import megatron_shim
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.errors import UsageError
 from nlq_scale.model import mup
@@ -237,7 +237,7 @@ class DeepSpeedEngine:
             # The router's aux loss enters in backward (MoEAuxLossAutoScaler), past DeepSpeed's 1/gas
             # loss scaling: scale it per micro-batch as megatron's schedule does.
             # The scale is class state shared with megatron's schedule in this process: keep its shape.
-            current = megatron_compat.moe_aux_loss_scale()
+            current = megatron_shim.moe_aux_loss_scale()
             shape = current.shape if current is not None else (1,)
             MoEAuxLossAutoScaler.set_loss_scale(torch.full(shape, 1.0 / len(micro), device=self.device.torch_device))
         losses, own_norm = [], None

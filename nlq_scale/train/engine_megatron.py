@@ -19,7 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from torch import Tensor
 
-from nlq_scale.compat import megatron as megatron_compat
+from nlq_scale.compat import megatron_load, megatron_optimizer, megatron_save, megatron_shim
 from nlq_scale.config.schema import RunConfig
 from nlq_scale.model import mup
 from nlq_scale.model.gpt import build_gpt, seed_init
@@ -158,7 +158,7 @@ class MegatronEngine:
             bf16=cfg.model.bf16,
             params_dtype=self.tconfig.params_dtype,
         )
-        megatron_compat.device_grad_norm_fallback()
+        megatron_shim.device_grad_norm_fallback()
         self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides=_mup_overrides(cfg, opt_config))
         # Without these, data-parallel gradients are never reduced.
         self.tconfig.finalize_model_grads_func = finalize_model_grads
@@ -167,7 +167,7 @@ class MegatronEngine:
         self._skip_step_when_loading_param_state()
         self._schedule = get_forward_backward_func()
         self._background: _BackgroundSave | None = None
-        self._host_copies = megatron_compat.HostCopies()
+        self._host_copies = megatron_save.HostCopies()
         self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))
 
     def set_lr(self, lr: float) -> None:
@@ -230,14 +230,16 @@ class MegatronEngine:
         # One at a time: the next background save copies into the memory this one's writer reads.
         assert self._background is None, "a background save is still being written"
         self._materialize_adam_state()  # a save before the first step would trip the same assert
-        with megatron_compat.in_place_optimizer_state(self.optimizer):  # no full-model copies of the state
+        with megatron_optimizer.in_place_optimizer_state(self.optimizer):  # no full-model copies of the state
             state = self._sharded_state(is_loading=False)
-        live = megatron_compat.storages(state) if background else frozenset()  # before the save builds its factories
-        with megatron_compat.in_process_writes():
-            request = dist_checkpointing.save(state, str(ckpt_dir), async_sharded_save=background)
+        live = megatron_save.storages(state) if background else frozenset()  # before the save builds its factories
+        with megatron_save.in_process_writes():
+            request = dist_checkpointing.save(
+                state, str(ckpt_dir), async_sharded_save=background, async_strategy=megatron_save.ASYNC_STRATEGY
+            )
             if background:
                 writer = writer_kind(self.cfg.checkpoint.async_writer, self.device.is_cuda)
-                staged = megatron_compat.staged_write(request, live, self._host_copies)  # the writer writes a snapshot
+                staged = megatron_save.staged_write(request, live, self._host_copies)  # the writer writes a snapshot
                 self._background = _BackgroundSave(request, staged, self.device, writer)
 
     def save_written(self, blocking: bool) -> bool:
@@ -268,12 +270,12 @@ class MegatronEngine:
 
     def _torch_adams(self) -> list[torch.optim.Optimizer]:
         """megatron-core 0.16.x's distributed optimizers on torch's Adam mishandle its `step`; the
-        methods below (and compat.megatron) mend it where the state is built and loaded."""
-        return [o.optimizer for o in megatron_compat.torch_adam_distributed_optimizers(self.optimizer)]
+        methods below (and compat.megatron_optimizer) mend it where the state is built and loaded."""
+        return [o.optimizer for o in megatron_optimizer.torch_adam_distributed_optimizers(self.optimizer)]
 
     def _skip_step_when_loading_param_state(self) -> None:
-        for opt in megatron_compat.torch_adam_distributed_optimizers(self.optimizer):
-            megatron_compat.keep_adam_step_when_loading_param_state(opt)
+        for opt in megatron_optimizer.torch_adam_distributed_optimizers(self.optimizer):
+            megatron_optimizer.keep_adam_step_when_loading_param_state(opt)
 
     def _materialize_adam_state(self) -> None:
         """megatron-core 0.16.1's torch-Adam fallback asserts on the `step` of a fresh optimizer when
@@ -300,10 +302,10 @@ class MegatronEngine:
         self._materialize_adam_state()
         # Read into the optimizer's own tensors, each stored tensor straight into place rather than
         # torch.loaded and copied, without resharding plans where the layout is the checkpoint's
-        # (compat.megatron; docs/performance.md).
-        stored = megatron_compat.checkpoint_metadata(ckpt_dir)
-        same_layout = megatron_compat.same_layout_strategy(self.device.torch_device, stored)
-        with megatron_compat.in_place_optimizer_state(self.optimizer), megatron_compat.direct_tensor_reads():
+        # (compat.megatron_load; docs/performance.md).
+        stored = megatron_load.checkpoint_metadata(ckpt_dir)
+        same_layout = megatron_load.same_layout_strategy(self.device.torch_device, stored)
+        with megatron_optimizer.in_place_optimizer_state(self.optimizer), megatron_load.direct_tensor_reads(stored):
             sharded = self._sharded_state(is_loading=True)
             _no_padding_where_shapes_match(sharded, stored.state_dict_metadata)
             state = dist_checkpointing.load(sharded, str(ckpt_dir), sharded_strategy=same_layout)

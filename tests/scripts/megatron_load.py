@@ -1,5 +1,5 @@
 """Rank script: the megatron engine's checkpoint save and load (optimizer state saved from and read
-into the optimizer's own tensors, stored tensors read straight into their targets: compat.megatron)
+into the optimizer's own tensors, stored tensors read straight into their targets: compat.megatron_optimizer, megatron_load, megatron_save)
 against megatron's own. Usage:
   megatron_load.py save OUT --dir CKPT [overrides...]     train a few steps, save into CKPT/megatron
                                                           megatron's way, into CKPT/ours and, in
@@ -26,7 +26,7 @@ from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_read
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-from nlq_scale.compat import megatron as megatron_compat
+from nlq_scale.compat import megatron_load, megatron_optimizer, megatron_save
 from tests.scripts.deepspeed_engine import batches, config, megatron_engine, train
 
 
@@ -34,7 +34,7 @@ def state(engine) -> dict[str, torch.Tensor]:
     """Every tensor a load restores on this rank: the model's weights and, per distributed
     optimizer, each main param shard and its Adam moments."""
     out = {f"model.{name}": p.detach().clone() for name, p in engine.model.named_parameters()}
-    for i, opt in enumerate(megatron_compat.distributed_optimizers(engine.optimizer)):
+    for i, opt in enumerate(megatron_optimizer.distributed_optimizers(engine.optimizer)):
         for g, group in enumerate(opt.optimizer.param_groups):
             for j, main in enumerate(group["params"]):
                 out[f"opt{i}.group{g}.{j}.param"] = main.detach().clone()
@@ -89,17 +89,20 @@ def planned_loads(counts: list[int]):
 def megatrons_own_way():
     """The engine's save and load with compat's in-place paths and in-process writer switched off:
     megatron's and torch's own (the writer forked per bucket)."""
-    names = ("in_place_optimizer_state", "direct_tensor_reads", "in_process_writes", "same_layout_strategy")
-    saved = [getattr(megatron_compat, name) for name in names]
-    megatron_compat.in_place_optimizer_state = lambda optimizer: contextlib.nullcontext()
-    megatron_compat.direct_tensor_reads = contextlib.nullcontext
-    megatron_compat.in_process_writes = contextlib.nullcontext
-    megatron_compat.same_layout_strategy = lambda device, metadata: None  # megatron's default load strategy
+    switched_off = {
+        (megatron_optimizer, "in_place_optimizer_state"): lambda optimizer: contextlib.nullcontext(),
+        (megatron_load, "direct_tensor_reads"): contextlib.nullcontext,
+        (megatron_save, "in_process_writes"): contextlib.nullcontext,
+        (megatron_load, "same_layout_strategy"): lambda device, metadata: None,  # megatron's default load strategy
+    }
+    saved = {(module, name): getattr(module, name) for module, name in switched_off}
+    for (module, name), replacement in switched_off.items():
+        setattr(module, name, replacement)
     try:
         yield
     finally:
-        for name, original in zip(names, saved, strict=True):
-            setattr(megatron_compat, name, original)
+        for (module, name), original in saved.items():
+            setattr(module, name, original)
 
 
 def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -173,9 +176,9 @@ def compare(cfg, ckpt: Path) -> dict:
     reads = {way: sum(c) for way, c in counts.items()}
     gathered = [None] * torch.distributed.get_world_size()
     split = sum(
-        not megatron_compat._whole(param, part)
-        for opt in megatron_compat.distributed_optimizers(engine.optimizer)
-        for _, param, part in megatron_compat._owned_params(opt)
+        not megatron_optimizer._whole(param, part)
+        for opt in megatron_optimizer.distributed_optimizers(engine.optimizer)
+        for _, param, part in megatron_optimizer._owned_params(opt)
     )  # parameters this rank holds part of (the others' parts are assembled for a save)
     torch.distributed.all_gather_object(gathered, {"differ": differ, "keys": len(a), "torch_reads": reads, "split": split,
                                                  "planned": {way: len(p) for way, p in planned.items()}})
