@@ -11,10 +11,16 @@ TEST_WORKERS ?= 2
 
 setup: $(STAMP)
 
+# The interpreter the venv is made with: Python 3.12 (megatron-core 0.19 ships cp312 wheels only).
+# PYTHON=... picks another; otherwise python3.12 on PATH, else pyenv's newest 3.12.
+PYTHON ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c '' 2>/dev/null && echo python3.12 \
+  || ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1)
+
 # pyproject.toml states ranges (so the package installs beside a cluster's own torch); constraints.txt
 # pins the exact versions CI and this machine run, for reproducible installs.
 $(STAMP): pyproject.toml constraints.txt
-	python3 -m venv $(VENV)
+	@[ -n "$(PYTHON)" ] || { echo "make setup: Python 3.12 not found (install it, e.g. pyenv install 3.12, or set PYTHON=/path/to/python3.12)" >&2; exit 2; }
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -c constraints.txt -e '.[dev]'
 	@$(MAKE) --no-print-directory tcmalloc

@@ -3,7 +3,15 @@
 The public API (docs/api.md): load_config, build_model, count_parameters. They are imported on
 first use, so `import nlq_scale` stays cheap."""
 
-from nlq_scale.compat.megatron_jit import defer_jit_fuser
+import sys
+
+if sys.version_info[:2] != (3, 12):  # what is tested, and what megatron-core 0.19 ships wheels for
+    raise ImportError(
+        f"nlq-scale needs Python 3.12, not {sys.version.split()[0]}: `make setup` builds its venv with "
+        "python3.12 (or PYTHON=/path/to/python3.12)"
+    )
+
+from nlq_scale.compat.megatron_jit import defer_jit_fuser  # noqa: E402 - after the version check
 
 # before any module of the package imports megatron.core (compat/megatron_jit.py says why)
 defer_jit_fuser()

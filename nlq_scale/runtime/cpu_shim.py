@@ -1,4 +1,4 @@
-"""CPU runtime shim for megatron-core 0.16 (and DeepSpeed's use of it): the only place where CUDA
+"""CPU runtime shim for megatron-core 0.19 (and DeepSpeed's use of it): the only place where CUDA
 assumptions are bent. `apply()` is a no-op when CUDA is available, so GPU code paths are untouched.
 
 Every patch names the megatron call site that needs it. Patches are idempotent. The private
@@ -90,6 +90,20 @@ def _cuda_type_names(original):
     return type_
 
 
+class _HostStream:
+    """The "current stream" of a CPU process: work runs in program order, so there is nothing to
+    wait for."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 def _patch_module_torch(module_name: str) -> None:
     module = importlib.import_module(module_name)
     if not isinstance(module.torch, _CpuTorch):
@@ -109,6 +123,9 @@ def apply() -> None:
         ns.manual_seed = _cpu_manual_seed
     # megatron.core timers, schedules and checkpointing call synchronize between phases.
     torch.cuda.synchronize = lambda *a, **k: None
+    # megatron.core.distributed.param_and_grad_buffer (0.19): start_grad_sync orders the current
+    # stream after CUDA-graph replays; the host runs in program order.
+    torch.cuda.current_stream = lambda *a, **k: _HOST_STREAM
     # Tensor.cuda(): language_module.py (PP + tied embeddings), distrib_optimizer.py on save.
     torch.Tensor.cuda = _tensor_cuda_to_self
     torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
