@@ -181,11 +181,20 @@ class ParallelConfig(Strict):
         description="compile the norms and elementwise work around the arm's query MLP with torch.compile "
         "(fused kernels; the same function, other rounding; arms with one: nonlinear, nonlinear-ph, preproj)",
     )
+    # Kept beside cuda_graph_impl: it has run on an H100 (bit-exact, 1.30x the eager nonlinear arm there) and its
+    # CPU stand-in runs in the tests, where megatron's graphs have not run on a GPU here yet.
     graph_query: bool = Field(
         False,
         description="run the arm's query module as two CUDA graphs, forward and backward, captured at its first "
         "training call (one host call each instead of ~40 kernel launches; tp=pp=1, no recompute, megatron engine; "
         "on the CPU the same buffers without graphs; arms with a query module: identity, nonlinear, nonlinear-ph, residual)",
+    )
+    cuda_graph_impl: Literal["none", "local", "full_iteration"] = Field(
+        "none",
+        description="megatron-core's CUDA graphs, for shapes where the GPU waits on the host (megatron engine, CUDA "
+        "only): local captures each transformer layer's forward and backward, the arm's query module inside it, at "
+        "the end of the first training step; full_iteration captures a training step's whole forward-backward after "
+        "3 eager steps; the optimizer step and validation stay eager. Not yet run on a GPU (docs/performance.md)",
     )
 
 
@@ -358,6 +367,12 @@ def _sequences_from_tokens(section: Strict, key: str, tokens: int | None, seq_le
     section.__pydantic_fields_set__.add(key)
 
 
+def _refuse(field: str, refused: dict[str, bool]) -> None:
+    """One line naming `field` and every setting in `refused` (description: is set) it cannot run with."""
+    if any(refused.values()):
+        raise ValueError(f"{field}: unsupported with {', '.join(k for k, v in refused.items() if v)}")
+
+
 class RunConfig(Strict):
     name: str | None = Field(None, description="run id (stable per sweep point)")
     sweep: str | None = Field(None, description="sweep name; the W&B group")
@@ -403,6 +418,8 @@ class RunConfig(Strict):
             raise ValueError("checkpoint.async_save needs train.engine=megatron (the DeepSpeed engine saves synchronously)")
         if p.graph_query:
             self._graphable()
+        if p.cuda_graph_impl != "none":
+            self._cuda_graphable()
         if self.train.global_batch_size % self.train.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size ({self.train.global_batch_size}) not divisible by "
@@ -422,8 +439,22 @@ class RunConfig(Strict):
             "parallel.compile_query": p.compile_query,
             "train.engine=deepspeed (ZeRO gathers parameters in module hooks)": self.train.engine == "deepspeed",
         }
-        if any(refused.values()):
-            raise ValueError(f"parallel.graph_query: unsupported with {', '.join(k for k, v in refused.items() if v)}")
+        _refuse("parallel.graph_query", refused)
+
+    def _cuda_graphable(self) -> None:
+        """parallel.cuda_graph_impl: megatron captures CUDA kernels in its own schedule; what it refuses, or what
+        would sync with the host inside a capture, is refused here. runtime.device=auto on a host without CUDA
+        is refused when the engine starts."""
+        p, impl = self.parallel, self.parallel.cuda_graph_impl
+        refused = {
+            "runtime.device=cpu (graphs capture CUDA kernels)": self.runtime.device == "cpu",
+            "runtime.check_device (a CPU run)": self.runtime.check_device,
+            "train.engine=deepspeed (megatron's schedule runs the graphs)": self.train.engine == "deepspeed",
+            "parallel.graph_query (a graph inside megatron's)": p.graph_query,
+            "parallel.recompute=full (megatron: with full_iteration only)": impl == "local" and p.recompute == "full",
+            "model.moe.num_experts (the token dispatch syncs with the host)": self.model.moe.num_experts is not None,
+        }
+        _refuse(f"parallel.cuda_graph_impl={impl}", refused)
 
     def _solve_validation_sizes(self) -> None:
         """Sizes given in tokens become sequences once, here (written past validate_assignment, as

@@ -33,7 +33,9 @@ class Trial:
     overrides: tuple[str, ...]
 
 
-def _peak_flops(peak_tflops: float | None) -> float | None:
+def peak_flops(peak_tflops: float | None) -> float | None:
+    """The device's dense bf16 FLOP/s: `peak_tflops` when given, else from PEAK_TFLOPS by the GPU's
+    name (None without CUDA or for a GPU not listed). benchmarks/gpu.py's MFU uses it too."""
     import torch
 
     if peak_tflops is not None:
@@ -132,7 +134,7 @@ def prepare_sample(work: Path) -> Path:
 def train_check(work: Path, arms: list[str], deepspeed_arm: str | None, zero_stage: int, steps: int, device: str,
                 peak_tflops: float | None) -> dict:
     data = prepare_sample(work)
-    peak = _peak_flops(peak_tflops)
+    peak = peak_flops(peak_tflops)
     results = {}
     for trial in trials(arms, deepspeed_arm, zero_stage):
         print(f"[nlq-scale doctor] {trial.name}: {steps} steps, kill after {steps // 2}, resume", file=sys.stderr)

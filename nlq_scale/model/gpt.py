@@ -58,6 +58,9 @@ def transformer_config(
         recompute_query=arms.get(m.arm).recomputes_query(m, p.recompute_query),
         compile_query=p.compile_query,
         graph_query=p.graph_query,
+        # No module list: local graphs capture the whole layer, and full_iteration takes none.
+        cuda_graph_impl=p.cuda_graph_impl,
+        cuda_graph_modules=[],
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -179,16 +182,17 @@ def block_norm(m: ModelConfig) -> functools.partial:
     return functools.partial(BlockNorm, bias=m.norm_bias)
 
 
-def seed_init(seed: int) -> None:
+def seed_init(seed: int, cuda_graphs: bool = False) -> None:
     """Seed every generator the initial weights draw from. megatron's model_parallel_cuda_manual_seed
     seeds CUDA's only, but megatron's torch norms, the position embeddings and the arms' torch.nn
     modules are made (and initialised) on the host. On the CPU the shim routes CUDA's seed to the
     host generator, so only a GPU run showed the difference: every process started from other
-    weights (measured on an H200)."""
+    weights (measured on an H200). `cuda_graphs` (parallel.cuda_graph_impl): megatron's graphs need
+    its graph-safe RNG tracker, made afresh (the process may hold one made without)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs, force_reset_rng=cuda_graphs)
 
 
 def build_gpt(

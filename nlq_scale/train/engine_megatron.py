@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -17,10 +17,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from nlq_scale.compat import megatron_load, megatron_optimizer, megatron_save, megatron_shim
 from nlq_scale.config.schema import RunConfig
+from nlq_scale.errors import UsageError
 from nlq_scale.model import mup
 from nlq_scale.model.gpt import build_gpt, seed_init
 from nlq_scale.runtime.device import Device
@@ -73,6 +75,22 @@ def _no_padding_where_shapes_match(sharded: dict, stored: dict) -> None:
             tensor.allow_shape_mismatch = tuple(size) != tuple(tensor.global_shape)
 
 
+def _training_schedule(schedule: Callable, config: TransformerConfig) -> Callable:
+    """parallel.cuda_graph_impl=full_iteration: megatron's wrapper runs cuda_graph_warmup_steps training
+    steps eagerly, captures the next one's whole forward-backward (the gradient reduction included) and
+    replays it from then on; the optimizer step stays outside. Validation keeps the plain schedule: its
+    number and size of micro-batches vary between sets, where one graph replays one of each."""
+    if config.cuda_graph_impl != "full_iteration":
+        return schedule
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    return FullCudaGraphWrapper(
+        schedule,
+        cuda_graph_warmup_steps=config.cuda_graph_warmup_steps,
+        use_single_mempool=config.cuda_graph_use_single_mempool,
+    )
+
+
 @contextlib.contextmanager
 def _gc_frozen() -> Iterator[None]:
     """megatron's optimizer runs a full gc.collect() whenever it builds its fully reshardable state
@@ -123,7 +141,10 @@ class MegatronEngine:
     def __init__(self, cfg: RunConfig, device: Device) -> None:
         self.cfg, self.device = cfg, device
         t = cfg.train
-        seed_init(cfg.seed)
+        if cfg.parallel.cuda_graph_impl != "none" and not device.is_cuda:
+            raise UsageError(f"parallel.cuda_graph_impl={cfg.parallel.cuda_graph_impl}: needs a CUDA device "
+                             f"(runtime.device={cfg.runtime.device} gave the CPU)")  # fmt: skip
+        seed_init(cfg.seed, cuda_graphs=cfg.parallel.cuda_graph_impl != "none")
         model = build_gpt(
             cfg.model,
             cfg.parallel,
@@ -166,6 +187,7 @@ class MegatronEngine:
         self.tconfig.no_sync_func = self.model.no_sync
         self._skip_step_when_loading_param_state()
         self._schedule = get_forward_backward_func()
+        self._train_schedule = _training_schedule(self._schedule, self.tconfig)
         self._background: _BackgroundSave | None = None
         self._host_copies = megatron_save.HostCopies()
         self._positions = device.put(torch.arange(cfg.model.seq_length).unsqueeze(0))
@@ -178,7 +200,7 @@ class MegatronEngine:
             group["weight_decay"] = self.cfg.train.weight_decay * group.get("wd_mult", 1.0)
 
     def _forward_step(self, data_iterator, model):
-        tokens = next(data_iterator)
+        tokens = next(data_iterator)["tokens"]
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         output = model(inputs, self._positions.expand(inputs.shape[0], -1), None)
 
@@ -191,8 +213,10 @@ class MegatronEngine:
 
     def _run(self, tokens: Tensor, forward_only: bool, micro_batch_size: int | None = None) -> list[dict]:
         micro_batch_size = micro_batch_size or self.cfg.train.micro_batch_size
-        micro = list(tokens.split(micro_batch_size))
-        return self._schedule(
+        # Dicts: the full-iteration graph copies each micro-batch's tensors into its static buffers by key.
+        micro = [{"tokens": t} for t in tokens.split(micro_batch_size)]
+        schedule = self._schedule if forward_only else self._train_schedule
+        return schedule(
             forward_step_func=self._forward_step,
             data_iterator=iter(micro),
             model=[self.model],
@@ -210,11 +234,18 @@ class MegatronEngine:
         _, grad_norm, _ = self.optimizer.step()
         return StepStats(loss=reduce_last_stage_mean(losses, self.device), grad_norm=grad_norm)
 
-    @torch.no_grad()
     def evaluate(self, tokens: Tensor) -> EvalStats:
         self.model.eval()
         micro_batch_size = eval_micro_batch(tokens.shape[0], self.cfg.train.micro_batch_size)
-        return reduce_eval(self._run(tokens, forward_only=True, micro_batch_size=micro_batch_size), self.device)
+        with self._without_autograd():
+            losses = self._run(tokens, forward_only=True, micro_batch_size=micro_batch_size)
+        return reduce_eval(losses, self.device)
+
+    def _without_autograd(self) -> contextlib.AbstractContextManager:
+        """Validation's mode. With local CUDA graphs, inference mode: a layer whose graphs are captured
+        replays only training's micro-batch shape (validation's divides its set, so may be smaller),
+        and megatron runs a layer eagerly under inference mode."""
+        return torch.inference_mode() if self.tconfig.cuda_graph_impl == "local" else torch.no_grad()
 
     def _sharded_state(self, is_loading: bool) -> dict:
         model_state = self.model.module.sharded_state_dict()
@@ -267,6 +298,17 @@ class MegatronEngine:
         widths, the tests) stays, with its process groups (gloo: a thread waking 100 times a second each)."""
         self.tconfig.grad_scale_func = self.tconfig.no_sync_func = self.tconfig.finalize_model_grads_func = None
         self.model.grad_accs.clear()
+        self._release_cuda_graphs()
+
+    def _release_cuda_graphs(self) -> None:
+        """megatron keeps its graphs in process-wide state, which the next engine of this process would
+        find (full_iteration refuses a second capture)."""
+        if self.tconfig.cuda_graph_impl == "local":
+            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+            delete_cuda_graphs()
+        elif self.tconfig.cuda_graph_impl == "full_iteration":
+            self._train_schedule.reset_cuda_graph()
 
     def _torch_adams(self) -> list[torch.optim.Optimizer]:
         """megatron-core 0.16.x's distributed optimizers on torch's Adam mishandle its `step`; the
