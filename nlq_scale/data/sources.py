@@ -142,12 +142,8 @@ class HashingReader(io.RawIOBase):
 
 
 def sha256_file(path: Path) -> str:
-    """hashlib.file_digest is Python 3.11+; the package supports 3.10."""
-    sha = hashlib.sha256()
     with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(READ_BYTES), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_digest(path: Path) -> FileDigest:

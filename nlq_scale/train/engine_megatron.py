@@ -311,7 +311,7 @@ class MegatronEngine:
             self._train_schedule.reset_cuda_graph()
 
     def _torch_adams(self) -> list[torch.optim.Optimizer]:
-        """megatron-core 0.16.x's distributed optimizers on torch's Adam mishandle its `step`; the
+        """megatron-core's distributed optimizers on torch's Adam mishandle its `step` (0.16 to 0.19.2); the
         methods below (and compat.megatron_optimizer) mend it where the state is built and loaded."""
         return [o.optimizer for o in megatron_optimizer.torch_adam_distributed_optimizers(self.optimizer)]
 
@@ -320,7 +320,7 @@ class MegatronEngine:
             megatron_optimizer.keep_adam_step_when_loading_param_state(opt)
 
     def _materialize_adam_state(self) -> None:
-        """megatron-core 0.16.1's torch-Adam fallback asserts on the `step` of a fresh optimizer when
+        """megatron-core's torch-Adam fallback (0.16.1, still 0.19.2) asserts on the `step` of a fresh optimizer when
         asked for its state dict (as loading does): create the state Adam would create lazily."""
         for adam in self._torch_adams():
             for group in adam.param_groups:
