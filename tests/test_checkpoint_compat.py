@@ -77,3 +77,6 @@ def test_a_run_of_megatron_core_0_16_resumes_where_it_stopped_and_trains_as_it_w
     # the stack that trained on, not the one that wrote the checkpoint (a resume on the old stack proves nothing)
     versions = json.loads((run_dir / "manifest.json").read_text())["versions"]
     assert versions["megatron-core"] != "0.16.1"
+    # ...and the run says it trained on both
+    (moved,) = [json.loads(line)["changes"] for line in (run_dir / "config-changes.jsonl").read_text().splitlines()]
+    assert moved["versions.megatron-core"] == ["0.16.1", versions["megatron-core"]]

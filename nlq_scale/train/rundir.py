@@ -101,7 +101,17 @@ def write_config(run_dir: Path, cfg: RunConfig) -> None:
 
 
 def write_manifest(run_dir: Path, data: dict) -> None:
-    write_json(run_dir / MANIFEST_FILE, data)
+    """manifest.json holds the launch that wrote it last; a resume on other library versions than
+    the launch before appends them to config-changes.jsonl first, so a run that trained on two
+    stacks says so."""
+    previous = run_dir / MANIFEST_FILE
+    if previous.is_file():
+        before = read_manifest(run_dir).get("versions", {})
+        now = data.get("versions", {})
+        moved = {f"versions.{name}": [before.get(name), v] for name, v in now.items() if before.get(name) != v}
+        if moved:
+            _record_changes(run_dir, moved)
+    write_json(previous, data)
 
 
 def read_manifest(run_dir: Path) -> dict:
