@@ -8,7 +8,7 @@ against megatron's own. Usage:
   megatron_load.py save,compare OUT ...                   both, in the same ranks (a load in the layout
                                                           saved at, without starting ranks again)
 Rank 0 writes to OUT, as JSON keyed by mode, the names of the tensors whose bits differ between the saves (and
-the processes each forked) or
+the processes each started) or
 the two loads, how many stored items each load read through torch's own reader, how many loads
 went through megatron's planning strategy, and how many parameters each rank holds only part of."""
 
@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing.process
 import os
 from pathlib import Path
 
 import torch
-from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
-    CachedMetadataFileSystemReader,
-)
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from torch.distributed.checkpoint import FileSystemReader
 
 from nlq_scale.compat import megatron_load, megatron_optimizer, megatron_save
 from tests.scripts.deepspeed_engine import batches, config, megatron_engine, train
@@ -54,18 +53,19 @@ def differing_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> li
 
 @contextlib.contextmanager
 def torch_reads(counts: list[int]):
-    """Count the stored items torch's reader reads (the direct reader hands it the rest)."""
-    original = CachedMetadataFileSystemReader.read_data
+    """Count the stored items torch's reader reads (every reader megatron or the direct reader uses
+    is one: the direct reader hands it what it does not read itself)."""
+    original = FileSystemReader.read_data
 
     def read_data(self, plan, planner):
         counts.append(len(plan.items))
         return original(self, plan, planner)
 
-    CachedMetadataFileSystemReader.read_data = read_data
+    FileSystemReader.read_data = read_data
     try:
         yield
     finally:
-        CachedMetadataFileSystemReader.read_data = original
+        FileSystemReader.read_data = original
 
 
 @contextlib.contextmanager
@@ -88,7 +88,7 @@ def planned_loads(counts: list[int]):
 @contextlib.contextmanager
 def megatrons_own_way():
     """The engine's save and load with compat's in-place paths and in-process writer switched off:
-    megatron's and torch's own (the writer forked per bucket)."""
+    megatron's and torch's own (the writer reporting through a Manager process)."""
     switched_off = {
         (megatron_optimizer, "in_place_optimizer_state"): lambda optimizer: contextlib.nullcontext(),
         (megatron_load, "direct_tensor_reads"): contextlib.nullcontext,
@@ -114,19 +114,20 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def counted_forks(forks: list[int]):
-    """Count the processes this one forks (megatron's writer forks one per write bucket)."""
-    original = os.fork
+def counted_processes(started: list[int]):
+    """Count the processes this one starts through multiprocessing, forked or spawned (megatron's
+    writer reports through the queue of a Manager process it spawns on a process's first save)."""
+    original = multiprocessing.process.BaseProcess.start
 
-    def fork():
-        forks.append(1)
-        return original()
+    def start(self):
+        started.append(1)
+        return original(self)
 
-    os.fork = fork
+    multiprocessing.process.BaseProcess.start = start
     try:
         yield
     finally:
-        os.fork = original
+        multiprocessing.process.BaseProcess.start = original
 
 
 SAVES = {  # the way of saving, and whether in the background
@@ -139,18 +140,18 @@ SAVES = {  # the way of saving, and whether in the background
 def save(cfg, ckpt: Path) -> dict:
     engine = megatron_engine(cfg)
     train(engine, cfg, batches(cfg, 3, seed=1), 0)
-    forks = {}
+    processes = {}
     for way, (switch, background) in SAVES.items():
         (ckpt / way).mkdir(exist_ok=True)  # every rank
-        forks[way] = []
-        with switch(), counted_forks(forks[way]):
+        processes[way] = []
+        with switch(), counted_processes(processes[way]):
             engine.save(ckpt / way, background=background)
             assert engine.save_written(blocking=True)
     torch.distributed.barrier()
     if torch.distributed.get_rank() != 0:
         return {}
     a = checkpoint_tensors(ckpt / "megatron")
-    result = {"keys": sorted(a), "forks": {way: len(f) for way, f in forks.items()}}
+    result = {"keys": sorted(a), "processes": {way: len(p) for way, p in processes.items()}}
     for way in ("ours", "background"):
         b = checkpoint_tensors(ckpt / way)
         result[way] = {
