@@ -189,6 +189,21 @@ def test_every_parameter_has_a_mup_class_and_declared_matrices_are_hidden(single
 
 
 @pytest.mark.parametrize("arm", arms.names())
+def test_mup_init_scales_exactly_the_hidden_matrices(single_rank, arm):
+    """megatron's muP inits the matrices of its config.init_method at std / sqrt(w): every matrix an
+    arm declares must be one of them or scale its own init alike (preproj's W_skip). The standard
+    parametrization's draw, hidden matrices x 1/sqrt(w), everything else unchanged."""
+    from nlq_scale.model import mup
+
+    cfg = case_config(arm, VARIANTS["mup"])
+    standard = dict(build(case_config(arm)).named_parameters())
+    factor = mup.width_multiplier(cfg.model) ** -0.5
+    for name, p in build(cfg).named_parameters():
+        expected = standard[name] * (factor if mup.param_class(cfg.model, name, p.dim()) == "hidden" else 1.0)
+        torch.testing.assert_close(p, expected, rtol=1e-6, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("arm", arms.names())
 def test_planner_activation_memory_within_15_percent_of_measured(arm):
     """Method: nlq_scale/model/memory.py (torch.profiler's allocator events over a forward + backward of
     the reference model, fp32, selective recompute since SDPA keeps no s^2). The shape keeps the

@@ -54,10 +54,20 @@ def _hidden_lr(power: float):
     return group_multipliers
 
 
+def _logits_multiplier(power: float):
+    """megatron_fields with the logits at w**power (muP: power -1, megatron's default)."""
+    real = mup.megatron_fields
+
+    def megatron_fields(m):
+        return {**real(m), "mup_output_mult": mup.width_multiplier(m) ** power}
+
+    return megatron_fields
+
+
 MISTAKES = {  # a muP mistake -> (what to patch, the verdict part that must fail)
     "W1-declared-a-vector": ("param_class", lambda: _declared_vector("query.f.up"), "mup_no_growth"),
     "hidden-lr-1/w^2": ("group_multipliers", lambda: _hidden_lr(2.0), "mup_decay_bounded"),
-    "logits-x-1/sqrt(w)": ("output_multiplier", lambda: lambda m: mup.width_multiplier(m) ** -0.5, "mup_init_flat"),
+    "logits-x-1/sqrt(w)": ("megatron_fields", lambda: _logits_multiplier(-0.5), "mup_init_flat"),
 }
 
 

@@ -3,6 +3,7 @@ skip W_skip x' (initialised near zero) joins the attention output."""
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 from pydantic import Field
@@ -61,9 +62,11 @@ def _modules():
             self.pre = ParallelMLP(config, submodules.width, submodules.activation, tp_group)
             self.compiled_norm = compiled(rms_norm, config.compile_query)
             # Its input is split over the hidden dim by to_local_heads (under sequence parallelism
-            # from this rank's sequence shard), its output all-reduced (or reduce-scattered).
+            # from this rank's sequence shard), its output all-reduced (or reduce-scattered). A hidden
+            # matrix with its own init std: muP's 1/sqrt(w) as megatron's config.init_method has it.
+            skip_std = submodules.skip_init_std / math.sqrt(config.mup_width_mult)
             self.w_skip = RowParallelLinear(
-                d, d, config=config, init_method=init_method_normal(submodules.skip_init_std),
+                d, d, config=config, init_method=init_method_normal(skip_std),
                 bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=False, is_expert=False,
                 tp_group=tp_group,
             )

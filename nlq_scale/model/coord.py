@@ -105,8 +105,10 @@ def _role(name: str) -> str:
 
 
 class Recorder:
-    """Forward hooks on every module that holds parameters, the arm's query module and the core
-    attention (whose hook records the q and k it receives and computes the causal attention logits)."""
+    """Forward hooks on every module that holds parameters, the arm's query module, the core
+    attention (whose hook records the q and k it receives and computes the causal attention logits)
+    and the GPT, whose output is the readout (READOUT): megatron's muP multiplies the logits after
+    the output layer."""
 
     def __init__(self, model) -> None:
         self.outputs: dict[str, list[Tensor]] = defaultdict(list)
@@ -114,7 +116,10 @@ class Recorder:
         for name, module in model.named_modules():
             if name.endswith("core_attention"):
                 self.handles.append(module.register_forward_pre_hook(self._logits_hook(name, module), with_kwargs=True))
-            elif name.endswith(("self_attention.query", "output_layer")) or any(True for _ in module.parameters(recurse=False)):
+            elif name.endswith(READOUT):
+                gpt = model.get_submodule(name.rpartition(".")[0])
+                self.handles.append(gpt.register_forward_hook(self._output_hook(name)))
+            elif name.endswith("self_attention.query") or any(True for _ in module.parameters(recurse=False)):
                 self.handles.append(module.register_forward_hook(self._output_hook(name)))
 
     def _output_hook(self, name: str):

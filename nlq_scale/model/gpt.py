@@ -37,7 +37,8 @@ class NLQTransformerConfig(TransformerConfig):
 
 
 def softmax_scale(m: ModelConfig) -> float:
-    """model.softmax_scale, or the arm's default (under muP with a base head dim, moved towards 1/d_head)."""
+    """model.softmax_scale, or the arm's default (under muP with a base head dim, moved towards 1/d_head:
+    mup.attention_multiplier). Always set, so megatron's muP never computes its own."""
     if m.softmax_scale is not None:
         return m.softmax_scale
     return arms.get(m.arm).softmax_scale(m) * mup.attention_multiplier(m)
@@ -78,6 +79,8 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=m.init_std,
+        # muP's init and logit multiplier are megatron's own; the attention scale stays ours.
+        **mup.megatron_fields(m),
         softmax_scale=softmax_scale(m),
         # megatron builds the q/k norms the spec names only when this is set (it refuses a spec norm
         # otherwise); model.qk_norm=rms names our parameter-free one.
@@ -217,9 +220,4 @@ def build_gpt(
         position_embedding_type=m.position_embedding,
         rotary_base=m.rotary_base,
     )
-    mup.scale_hidden_init(model, m)
-    if post_process and mup.output_multiplier(m) != 1.0:
-        # A hook rather than a wrapper module: parameter names (checkpoints, export) stay megatron's.
-        multiplier = mup.output_multiplier(m)
-        model.output_layer.register_forward_hook(lambda _module, _inputs, out: (out[0] * multiplier, *out[1:]))
     return model
