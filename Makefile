@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # workers finish the suite sooner even on 2 cores; TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup tcmalloc test test-fast test-portability quickstart bench clean-venv
+.PHONY: setup tcmalloc test test-fast test-portability quickstart bench chaos clean-venv
 
 setup: $(STAMP)
 
@@ -65,8 +65,12 @@ portability-%: setup
 quickstart: setup
 	$(BIN)/nlq-scale quickstart
 
+# Every benchmark but chaos.py, which runs its own SLURM cluster for about 15 minutes (as root): `make chaos`.
 bench: setup
-	for b in benchmarks/*.py; do $(BIN)/python $$b; done
+	for b in $(filter-out benchmarks/chaos.py,$(wildcard benchmarks/*.py)); do $(BIN)/python $$b; done
+
+chaos: setup
+	$(BIN)/python benchmarks/chaos.py --seeds 1 2
 
 clean-venv:
 	rm -rf $(VENV)

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -87,6 +88,24 @@ def test_stale_run_is_skipped_unless_retry_stale_which_cancels_its_job(tmp_path)
         controller.kill()
 
 
+def test_a_cancelled_job_must_have_ended_before_its_run_is_resubmitted():
+    """scancel returns at once while the job's processes run on (SIGTERM: a step and a checkpoint
+    save, up to KillWait): submit waits until the job has left the queue, and gives up on the run
+    when it never does."""
+    from nlq_scale.errors import RunFailure
+
+    controller = fake_local_controller()
+    job = {"executor": "local", "job_id": str(controller.pid)}
+    try:
+        with pytest.raises(RunFailure, match=f"job {controller.pid} still in the queue 1 s after it was cancelled"):
+            executors.wait_ended([job], timeout_s=1)
+        executors.cancel_job(job)
+        executors.wait_ended([job], timeout_s=30)
+        assert controller.poll() is not None or ended(controller.pid)
+    finally:
+        controller.kill()
+
+
 @pytest.mark.parametrize("payload_is_code", [False, True])
 def test_status_reads_job_results_as_data_only(tmp_path, payload_is_code):
     from submitit.core.utils import JobPaths
@@ -105,6 +124,46 @@ def test_status_reads_job_results_as_data_only(tmp_path, payload_is_code):
     assert not marker.exists()
 
 
+def test_a_run_that_died_on_a_full_disk_shows_dead_with_the_jobs_error(tmp_path):
+    """Found by benchmarks/chaos.py: a disk that fills between checkpoints fails the step's status.json
+    write, so the run cannot record `failed`; it stays `running` with its job gone. `status` shows it
+    dead with the error submitit kept elsewhere (its folder), which tells the user to free space."""
+    from submitit.core.utils import JobPaths
+
+    run_dir, folder = tmp_path / "run", tmp_path / "submitit"
+    folder.mkdir()
+    write_status(run_dir, heartbeat_at=time.time())
+    job = {"executor": "local", "job_id": "999999999", "folder": str(folder)}  # no such process: ended
+    (run_dir / "job.json").write_text(json.dumps(job))
+    error = "Traceback (most recent call last):\nOSError: [Errno 28] No space left on device"
+    JobPaths(folder, job_id=job["job_id"], task_id=0).result_pickle.write_bytes(pickle.dumps(("error", error)))
+    (row,) = collect(run_dir)
+    assert (row["state"], row["error"]) == ("dead", "OSError: [Errno 28] No space left on device")
+
+
+def test_a_run_dir_on_a_full_disk_stops_the_submission_before_any_job_is_queued(tmp_path):
+    """Found by benchmarks/chaos.py: `submit --retry-failed` while a run's disk was still full queued
+    its job, then died with a traceback writing job.json, leaving a job no `status` or `submit` knew
+    of. Every run dir takes a probe write first; one that cannot stops the submission in one line."""
+    from nlq_scale.errors import RunFailure
+
+    runs = planned(tmp_path / "data")[:2]
+    root = tmp_path / "runs"
+    full = runs[1].spec.run_dir(root)
+    full.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    queued = []
+    try:
+        subprocess.run(["dd", "if=/dev/zero", f"of={full / 'filler'}", "bs=64k"], capture_output=True)  # until ENOSPC
+        with pytest.raises(RunFailure, match=rf"^{full}: cannot write there \(No space left on device\); nothing "):
+            executors.submit(executors.decide(runs, root, retry_failed=False), load_cluster("local-slurm"), "local", root, "test",
+                             train_fn=lambda cfg, run_dir: queued.append(run_dir))  # fmt: skip
+        assert queued == [] and not list(root.rglob("job.json"))
+    finally:
+        subprocess.run(["umount", "-l", str(full)], capture_output=True)
+
+
 def test_a_second_submission_of_a_sweep_waits_for_the_first(tmp_path):
     order = []
 
@@ -121,6 +180,48 @@ def test_a_second_submission_of_a_sweep_waits_for_the_first(tmp_path):
         order.append("first")
     other.join(timeout=10)
     assert order == ["other sweep", "first", "second"]
+
+
+def test_a_requeued_run_whose_old_process_ended_shows_running_not_dead(tmp_path):
+    """Found by benchmarks/chaos.py: on the local cluster every job runs on this host, so a run
+    requeued by `scontrol requeue` (its process killed, its job queued again) showed `dead`, and
+    `status --watch` ended while the sweep was still in flight."""
+    from nlq_scale.cluster.status import run_row
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    write_status(tmp_path, heartbeat_at=time.time(), pid=gone.pid, host=socket.gethostname())
+    (tmp_path / "job.json").write_text(json.dumps({"executor": "slurm", "job_id": "12_3"}))
+    assert run_row(tmp_path, tmp_path, alive=True)["state"] == "running"  # requeued: queued again
+    assert run_row(tmp_path, tmp_path, alive=True, waiting=True)["state"] == "pending"
+    assert run_row(tmp_path, tmp_path, alive=False)["state"] == "dead"
+    assert run_row(tmp_path, tmp_path, alive=None)["state"] == "dead"  # no scheduler to ask: the process says it
+
+def test_a_run_whose_job_waits_in_the_queue_is_never_stale(tmp_path, monkeypatch):
+    """Found by benchmarks/chaos.py: a hung run retried with --retry-stale keeps its old heartbeat
+    while its new job waits behind the sweep's other jobs; it showed `stale` again, and every
+    --retry-stale cancelled the queued job and queued a new one at the back, never to start."""
+    runs = planned(tmp_path / "data")[:1]
+    root = tmp_path / "runs"
+    run_dir = runs[0].spec.run_dir(root)
+    write_status(run_dir, heartbeat_at=time.time() - 3600, step_time_s=1.0)
+    (run_dir / "job.json").write_text(json.dumps({"executor": "slurm", "job_id": "116"}))
+    for squeue_state, decided, shown in (("PENDING", "skip", "pending"), ("RUNNING", "retry", "stale")):
+        monkeypatch.setattr(executors, "slurm_queue_states", lambda ids, s=squeue_state: {"116": s})
+        (decision,) = executors.decide(runs, root, retry_failed=False, retry_stale=True)
+        assert decision.action == decided, decision.reason
+        assert collect(root)[0]["state"] == shown
+
+
+def test_a_submission_goes_to_the_cluster_of_slurm_conf_without_the_jobs_own_slurm_env(monkeypatch):
+    """Found by benchmarks/chaos.py on a second local cluster: submitit's clean_env dropped SLURM_CONF
+    with the job's SLURM_* variables, so sbatch queued the sweep on /etc/slurm/slurm.conf's cluster
+    while squeue asked SLURM_CONF's, and every run showed `dead`."""
+    monkeypatch.setenv("SLURM_CONF", "/var/lib/another-cluster/slurm.conf")
+    monkeypatch.setenv("SLURM_JOB_ID", "17")  # submitting from inside a job (the LR search's follow-up)
+    seen = executors.launch(lambda: (os.environ.get("SLURM_CONF"), os.environ.get("SLURM_JOB_ID")))
+    assert seen == ("/var/lib/another-cluster/slurm.conf", None)
+    assert os.environ["SLURM_JOB_ID"] == "17"
 
 
 @pytest.mark.slow
@@ -142,8 +243,8 @@ def test_hung_job_shows_stale_and_retry_stale_cancels_and_resubmits_it(slurm_clu
     decisions, (second,) = executors.decide_and_submit(runs, root, "test-two-arm", cluster, "slurm",
                                                        retry_stale=True, stale_s=3, train_fn=toy_train)
     assert decisions[0].action == "retry" and second["job_id"] != first["job_id"]
+    assert first["job_id"] not in executors.slurm_queue_states([first["job_id"]])  # cancelled, and ended first
     assert wait_done([run_dir], timeout=300)[run_dir] == "completed"
-    assert first["job_id"] not in executors.slurm_queue_states([first["job_id"]])  # cancelled
     assert events(run_dir)[-1]["val/loss"] == pytest.approx(toy_loss(40, 2), rel=1e-12)
 
 

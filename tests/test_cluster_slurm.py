@@ -122,10 +122,12 @@ def preempt_with_urgent_job() -> None:
 
 
 def job_processes(job_id: str, node: str | None = None) -> list[int]:
-    """The Python processes of a SLURM (array) job on this host, on one emulated node or all."""
+    """The Python processes of a SLURM (array) job on this host, on one emulated node or all, of the
+    cluster SLURM_CONF names: another local cluster (benchmarks/chaos.py's) counts its job ids anew."""
     array_id, _, task = job_id.partition("_")
     want = {f"SLURM_ARRAY_JOB_ID={array_id}", f"SLURM_ARRAY_TASK_ID={task}"} if task else {f"SLURM_JOB_ID={job_id}"}
     want |= {f"SLURMD_NODENAME={node}"} if node else set()
+    want |= {f"SLURM_CONF={os.environ['SLURM_CONF']}"} if "SLURM_CONF" in os.environ else set()
     pids = []
     for proc in Path("/proc").iterdir():
         try:

@@ -36,6 +36,9 @@ from nlq_scale.train.rundir import read_current as read_json  # job.json, read a
 ExecutorKind = Literal["slurm", "local"]
 JOB_FILE = "job.json"
 LOCK_FILE = ".submit.lock"
+# squeue states of a job waiting for its (next) start: a run whose job waits has no heartbeat to give,
+# however long the queue, and is not stale.
+WAITING_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
 # squeue states of a job that will still run (or is running) without resubmission.
 LIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
                "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
@@ -70,15 +73,26 @@ def local_job_alive(job_id: str) -> bool:
 
 def job_liveness(run_dirs: Iterable[Path]) -> dict[Path, bool | None]:
     """For each run dir with a job.json: is its last job still queued or running (None = cannot tell)."""
+    return {d: live(state) for d, state in job_states(run_dirs).items()}
+
+
+def live(job_state: str | None) -> bool | None:
+    """Whether a job in this squeue state will still run without resubmission (None = cannot tell)."""
+    return None if job_state is None else job_state in LIVE_STATES
+
+
+def job_states(run_dirs: Iterable[Path]) -> dict[Path, str | None]:
+    """For each run dir with a job.json: its last job's squeue state, "" once it has left the queue
+    (the local executor's job: RUNNING while its controller runs), None = cannot tell."""
     jobs = {d: read_json(d / JOB_FILE) for d in run_dirs}
     jobs = {d: j for d, j in jobs.items() if j.get("job_id")}
     slurm = slurm_queue_states(j["job_id"] for j in jobs.values() if j.get("executor") == "slurm")
-    out: dict[Path, bool | None] = {}
+    out: dict[Path, str | None] = {}
     for d, j in jobs.items():
         if j.get("executor") == "local":
-            out[d] = local_job_alive(j["job_id"])
+            out[d] = "RUNNING" if local_job_alive(j["job_id"]) else ""
         else:
-            out[d] = None if slurm is None else slurm.get(j["job_id"]) in LIVE_STATES
+            out[d] = None if slurm is None else slurm.get(j["job_id"], "")
     return out
 
 
@@ -118,16 +132,17 @@ def decide(
     dirs = [r.spec.run_dir(root) for r in runs]
     for run, run_dir in zip(runs, dirs):
         claim(run_dir, run.cfg, create=False)  # a different run there: refuse before submitting
-    alive = job_liveness(d for d in dirs if (d / JOB_FILE).exists())
-    return [_decide_one(run, d, alive.get(d, False), retry_failed, retry_stale, stale_s) for run, d in zip(runs, dirs)]
+    states = job_states(d for d in dirs if (d / JOB_FILE).exists())
+    return [_decide_one(run, d, states.get(d, ""), retry_failed, retry_stale, stale_s) for run, d in zip(runs, dirs)]
 
 
 def _decide_one(
-    run: PlannedRun, run_dir: Path, alive: bool | None, retry_failed: bool, retry_stale: bool, stale_s: float | None
+    run: PlannedRun, run_dir: Path, job_state: str | None, retry_failed: bool, retry_stale: bool, stale_s: float | None
 ) -> Decision:
     status = read_status(run_dir)
     state = status.get("state")
     job = read_json(run_dir / JOB_FILE)
+    alive = live(job_state)
     if state == "completed":
         return Decision(run, run_dir, "skip", "completed")
     if state == "diverged":
@@ -136,7 +151,7 @@ def _decide_one(
         if retry_failed:  # its job may linger (a lost node keeps the allocation): cancelled first
             return Decision(run, run_dir, "retry", f"failed: {status.get('error')}", cancel=job if alive else None)
         return Decision(run, run_dir, "skip", "failed (resubmit with --retry-failed)")
-    if alive is not False and is_stale(status, stale_s):
+    if alive is not False and job_state not in WAITING_STATES and is_stale(status, stale_s):
         silence = f"no heartbeat for {heartbeat_age(status):.0f} s (bound {stale_s or stale_after(status):.0f} s)"
         if retry_stale:
             return Decision(run, run_dir, "retry", f"stale: {silence}", cancel=job or None)
@@ -160,6 +175,28 @@ def cancel_job(job: dict) -> None:
     if out.returncode != 0:
         reason = (out.stderr.strip().splitlines() or ["no reason given"])[-1]
         raise RunFailure(f"scancel {job['job_id']} (the retried run's job) failed: {reason}")
+
+
+CANCEL_WAIT_S = 300.0
+
+
+def wait_ended(jobs: list[dict], timeout_s: float = CANCEL_WAIT_S) -> None:
+    """Until the cancelled jobs have left the queue. scancel returns at once, but a job's processes
+    run on for up to SLURM's KillWait (SIGTERM: the run finishes its step and saves a checkpoint,
+    minutes for a large model), and the replacement must not start beside them in the same run dir."""
+    deadline = time.time() + timeout_s
+    while live := [j for j in jobs if _still_there(j)]:
+        if time.time() > deadline:
+            raise RunFailure(f"job {live[0]['job_id']} still in the queue {timeout_s:.0f} s after it was cancelled: "
+                             "its run was not resubmitted")
+        time.sleep(0.5)
+
+
+def _still_there(job: dict) -> bool:
+    if job.get("executor") == "local":
+        return local_job_alive(job["job_id"])
+    states = slurm_queue_states([job["job_id"]])
+    return bool(states) and job["job_id"] in states  # squeue gone (None): nothing to wait for
 
 
 # ---------------------------------------------------------------- submitting
@@ -264,12 +301,27 @@ def _record_job(run_dir: Path, kind: ExecutorKind, job) -> dict:
         "submitted_at": time.time(),
         "log": str(job.paths.stderr),
     }
-    write_json(run_dir / JOB_FILE, record)
+    try:
+        write_json(run_dir / JOB_FILE, record)
+    except OSError as e:  # the run dir took a probe a moment ago (_prepare_run_dir): rare, but said
+        raise RunFailure(f"{run_dir / JOB_FILE}: job {record['job_id']} was queued for this run but could not be "
+                         f"recorded ({e.strerror or e}): cancel it (scancel {record['job_id']}) before submitting "
+                         "again") from e  # fmt: skip
     return record
 
 
 def _prepare_run_dir(decision: Decision) -> None:
-    claim(decision.run_dir, decision.run.cfg)  # the config train_run will find (and accept) there
+    """The config train_run will find (and accept) there, and room for the job's record: a run dir
+    that cannot take it (a full disk) is refused before a job is queued that `status` and the next
+    `submit` would not know of."""
+    try:
+        claim(decision.run_dir, decision.run.cfg)
+        probe = decision.run_dir / f".{JOB_FILE}.probe"
+        probe.write_bytes(bytes(4096))  # about a job record's size, rounded up to a block
+        probe.unlink()
+    except OSError as e:
+        raise RunFailure(f"{decision.run_dir}: cannot write there ({e.strerror or e}); nothing was submitted: "
+                         "free space (docs/slurm.md, \"After a fault\") and submit again") from e
 
 
 def _groups(decisions: list[Decision]) -> dict[tuple, list[Decision]]:
@@ -300,6 +352,8 @@ def submit(
         return []
     if kind == "slurm" and shutil.which("sbatch") is None:
         raise UsageError("--executor slurm: sbatch not found (no SLURM here; try --executor local)")
+    for d in todo:  # every run dir first: one that cannot take its record stops the submission untouched
+        _prepare_run_dir(d)
     folder = submitit_folder(root, sweep)
     records = []
     for (scale, _, _), group in _groups(todo).items():
@@ -307,7 +361,7 @@ def submit(
         for d in group:
             if d.cancel:
                 cancel_job(d.cancel)
-            _prepare_run_dir(d)
+        wait_ended([d.cancel for d in group if d.cancel])
         fns = [TrainJob(d.run.cfg.model_dump(mode="json"), str(d.run_dir), train_fn) for d in group]
         if kind == "slurm":
             jobs = launch(lambda: _submit_array(executor, fns))
@@ -364,8 +418,13 @@ def launch(submission):
     """Run a submitit submission outside any job's SLURM env; failures become one RunFailure line."""
     import submitit
 
+    conf = os.environ.get("SLURM_CONF")
     try:
         with submitit.helpers.clean_env():  # a submission from inside a job must not inherit its SLURM env
+            # ...but clean_env drops SLURM_CONF too: sbatch would read /etc/slurm/slurm.conf and queue
+            # the jobs on another cluster than the one squeue, scancel and `status` ask.
+            if conf is not None:
+                os.environ["SLURM_CONF"] = conf
             return submission()
     except (subprocess.CalledProcessError, *submitit_compat.submission_errors(), OSError) as e:
         raise RunFailure(f"submission failed: {e}") from e

@@ -2,8 +2,10 @@
 
 The state is the train loop's (status.json), corrected by what the scheduler knows: a run whose
 status says running/pending but whose last job (job.json) is no longer queued shows `dead` (the job
-was killed without a word: node failure, OOM, scancel after its grace time), and so does one whose
-process (status.json `pid` and `host`) ran on this host and has ended; a running run whose
+was killed without a word: node failure, OOM, scancel after its grace time; or died of an error it
+could not write there, a full disk: its error is submitit's), and so does one whose
+process (status.json `pid` and `host`) ran on this host and has ended while no job of it is queued
+(a requeued job restarts it); a running run whose
 job is still allocated (or cannot be asked about) but whose heartbeat (status.json `heartbeat_at`,
 written every step) is older than its bound shows `stale` (hung or vanished processes; see
 train/rundir.py STALE_STEPS); a submitted run that never started training and whose job has ended
@@ -17,7 +19,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from nlq_scale.cluster.executors import JOB_FILE, job_liveness, read_json
+from nlq_scale.cluster.executors import JOB_FILE, WAITING_STATES, job_states, live, read_json
 from nlq_scale.compat import submitit as submitit_compat
 from nlq_scale.train.rundir import (
     CONFIG_FILE, STATUS_FILE, heartbeat_age, is_stale, last_record, process_gone, read_status,
@@ -63,7 +65,9 @@ def job_error(job: dict) -> str | None:
     return lines[-1] if lines else "error"
 
 
-def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None = None) -> dict[str, Any]:
+def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None = None,
+            waiting: bool = False) -> dict[str, Any]:
+    """`waiting`: its job is queued for its (next) start, e.g. requeued or retried (no heartbeat is due)."""
     status = read_status(run_dir)
     job = read_json(run_dir / JOB_FILE)
     state = status.get("state")
@@ -75,9 +79,15 @@ def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None
         else:
             state = "submitted" if job else "new"
     elif state in ("running", "pending") and alive is False:
-        state = "dead"
-    elif state in ("running", "pending") and process_gone(status):
+        # A job that died of an error it could not record in the run dir (a full disk fails the
+        # status write itself) still left it in submitit's folder.
+        state, error = "dead", job_error(job)
+    elif state in ("running", "pending") and alive is not True and process_gone(status):
+        # (a job still queued or running is the scheduler's word: a requeued run's old process ended,
+        # its job starts it again; `dead` would also end `status --watch` while the sweep goes on)
         state, error = "dead", f"its process {status['pid']} on {status['host']} has ended"
+    elif state == "running" and waiting:
+        state = "pending"
     elif is_stale(status, stale_s):
         state, error = "stale", f"no heartbeat for {heartbeat_age(status):.0f} s"
     name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
@@ -102,8 +112,8 @@ def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None
 
 def collect(root: Path, stale_s: float | None = None) -> list[dict[str, Any]]:
     dirs = find_run_dirs(root)
-    alive = job_liveness(dirs)
-    return [run_row(d, root, alive.get(d), stale_s) for d in dirs]
+    states = job_states(dirs)
+    return [run_row(d, root, live(states.get(d)), stale_s, states.get(d) in WAITING_STATES) for d in dirs]
 
 
 def _cell(row: dict[str, Any], column: str) -> str:

@@ -188,9 +188,11 @@ class CheckpointDir:
         for e in _chain(error):
             if isinstance(e, OSError) and e.errno in _NO_ROOM:
                 return f"{os.strerror(e.errno).lower()} ({_free(self.root)})"
-        # dist_checkpointing reports its writers' failures wrapped, where the errno may be lost: look
-        # at the disk, which must hold about what the previous checkpoint holds.
-        if shutil.disk_usage(self.root).free + _size(tmp) < max(_LOW_SPACE, self._previous_size()):
+        # dist_checkpointing reports its writers' failures wrapped, where the errno may be lost (0.19
+        # keeps only its type): look at the disk, which is full now, or cannot hold about what the
+        # previous checkpoint holds (a run's first save has none: its partial files may pass 1 MiB).
+        free = shutil.disk_usage(self.root).free
+        if free < _LOW_SPACE or free + _size(tmp) < self._previous_size():
             return f"no space left on device ({_free(self.root)})"
         return None
 

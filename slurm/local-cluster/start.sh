@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# A two-node SLURM cluster on this one machine, for tests, CI and curious users.
+# A SLURM cluster of emulated nodes (two by default) on this one machine, for tests, CI and curious users.
 #
 #   sudo slurm/local-cluster/start.sh            # install (Debian 12) if needed, configure, start
 #   export SLURM_CONF=/var/lib/nlq-slurm/slurm.conf   # printed at the end; needed if /etc/slurm/slurm.conf is someone else's
 #   sbatch / srun / squeue / scancel ...
 #   slurm/local-cluster/stop.sh
 #
-# Two slurmd daemons (`slurmd -N node1`, `-N node2`) listen on 127.0.0.1 with one port each and one CPU
-# each, so a job can span two "nodes" (gloo across them) and two one-task jobs can run side by side.
+# One slurmd daemon per node (`slurmd -N node1`, `-N node2`, ...) listens on 127.0.0.1 with one port and
+# one CPU each, so a job can span two "nodes" (gloo across them) and one-task jobs run side by side.
 # Partitions: `batch` (default, preemptable: REQUEUE) and `urgent` (higher priority tier): a job in
 # `urgent` preempts a `batch` job, which first gets its --signal (submitit's USR2) right away
 # (preempt_send_user_signal), then GraceTime seconds to checkpoint, and is requeued.
@@ -16,8 +16,9 @@
 # pid files, logs, spool. Idempotent: daemons already running from this state dir are left alone.
 # stop.sh ends only the daemons whose pid files are there (and the jobs of this cluster).
 #
-# Environment: NLQ_SLURM_STATE, NLQ_SLURM_CTLD_PORT (16817), NLQ_SLURM_NODE_PORTS (17001-17002),
-# NLQ_SLURM_GRACE_S (preemption grace time, 60).
+# Environment: NLQ_SLURM_STATE, NLQ_SLURM_NODES (2), NLQ_SLURM_CTLD_PORT (16817), NLQ_SLURM_NODE_PORTS
+# (17001-170NN, one per node), NLQ_SLURM_GRACE_S (preemption grace time, 60). A second cluster beside the
+# first (benchmarks/chaos.py) takes its own state dir and ports; node names are shared (all 127.0.0.1).
 set -euo pipefail
 # The daemons start without the caller's preload: slurmd dies at start-up under LD_PRELOAD=libc.so.6
 # (`make portability-glibc`), and a preload meant for training processes reaches a job from its
@@ -25,11 +26,13 @@ set -euo pipefail
 unset LD_PRELOAD
 
 STATE=${NLQ_SLURM_STATE:-/var/lib/nlq-slurm}
+NODE_COUNT=${NLQ_SLURM_NODES:-2}
 CTLD_PORT=${NLQ_SLURM_CTLD_PORT:-16817}
-NODE_PORTS=${NLQ_SLURM_NODE_PORTS:-17001-17002}
+NODE_PORTS=${NLQ_SLURM_NODE_PORTS:-17001-$((17000 + NODE_COUNT))}
 GRACE_S=${NLQ_SLURM_GRACE_S:-60}
 CONF=$STATE/slurm.conf
-NODES=(node1 node2)
+mapfile -t NODES < <(printf 'node%d\n' $(seq 1 "$NODE_COUNT"))
+NODE_LIST=node[1-$NODE_COUNT]
 
 log() { echo "start.sh: $*" >&2; }
 
@@ -50,7 +53,7 @@ install_packages() {
 }
 
 resolve_node_names() {
-  # submitit passes the first node name of the job as MASTER_ADDR: node1/node2 must resolve.
+  # submitit passes the first node name of the job as MASTER_ADDR: node1, node2, ... must resolve.
   local node
   for node in "${NODES[@]}"; do
     if ! getent hosts "$node" >/dev/null; then
@@ -117,9 +120,9 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 # Send the job's --signal (submitit: USR2) at preemption, so it checkpoints within GraceTime.
 SlurmctldParameters=preempt_send_user_signal
-NodeName=node[1-2] NodeAddr=127.0.0.1 Port=[$NODE_PORTS] CPUs=1 RealMemory=4000 State=UNKNOWN
-PartitionName=batch Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE_S
-PartitionName=urgent Nodes=node[1-2] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+NodeName=$NODE_LIST NodeAddr=127.0.0.1 Port=[$NODE_PORTS] CPUs=1 RealMemory=4000 State=UNKNOWN
+PartitionName=batch Nodes=$NODE_LIST Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE_S
+PartitionName=urgent Nodes=$NODE_LIST MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 CONF
   mv "$tmp" "$CONF"
   chmod 644 "$CONF"
@@ -159,7 +162,7 @@ start_slurmctld() {
 
 drop_recovered_jobs() {
   # The controller reloads its saved jobs; after a cold start their processes are gone, yet a job it
-  # recovers as RUNNING would hold both nodes until SLURM gives up on it. Job ids keep counting.
+  # recovers as RUNNING would hold its nodes until SLURM gives up on it. Job ids keep counting.
   local jobs
   jobs=$(SLURM_CONF=$CONF squeue -h -o '%F' 2>/dev/null | sort -u | tr '\n' ' ')
   [[ -z ${jobs// } ]] && return
@@ -182,7 +185,7 @@ start_slurmd() {
 }
 
 wait_ready() {
-  # Nodes come up "unknown"/"down" after a restart; resume them, then wait until both accept jobs.
+  # Nodes come up "unknown"/"down" after a restart; resume them, then wait until all accept jobs.
   local i state
   for i in $(seq 1 60); do
     state=$(SLURM_CONF=$CONF sinfo -h -N -p batch -o '%N %t' 2>/dev/null || true)
@@ -190,7 +193,7 @@ wait_ready() {
       return
     fi
     if grep -qE ' (down|drain|drng|fail)' <<<"$state"; then
-      SLURM_CONF=$CONF scontrol update NodeName=node[1-2] State=RESUME 2>/dev/null || true
+      SLURM_CONF=$CONF scontrol update NodeName="$NODE_LIST" State=RESUME 2>/dev/null || true
     fi
     sleep 1
   done
