@@ -22,6 +22,9 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", category=category, module=_NOISY_MODULES)
     for name in ("torch.utils.cpp_extension", "megatron.core", "DeepSpeed"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # megatron-core 0.19's checkpoint writer logs each write failure at ERROR, by its type alone
+    # ("error: <class 'OSError'>"), before the save's own one-line error names the file and the cause.
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async").setLevel(logging.CRITICAL)
     # DeepSpeed sets its logger's level back when imported (after this): a filter stays
     logging.getLogger("DeepSpeed").addFilter(_errors_only)
     # What export, generate and eval drive reports through its environment, read when it is imported:
