@@ -42,7 +42,7 @@ def _modules():
         rms_norm,
         to_local_heads,
     )
-    from nlq_scale.model.reference import MLP
+    from nlq_scale.model.query import MLP
 
     class NonlinearQuery(MegatronModule):
         """Norms on the full hidden vector of each token (every rank, or this rank's sequence
@@ -118,7 +118,7 @@ class Nonlinear(MLPArm):
         return query_variant_attention(stock, query, column_linear)
 
     def reference_query(self, m):
-        from nlq_scale.model.reference import EPS
+        from nlq_scale.model.query import EPS
 
         o = self.settings(m)
         return _modules()[1](m.hidden_size, self.width(m), o.activation, o.mix, m.add_bias_linear, m.norm_bias, EPS)

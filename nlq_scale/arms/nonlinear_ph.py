@@ -36,7 +36,7 @@ def _modules():
     from megatron.core.transformer.module import MegatronModule
 
     from nlq_scale.model.query import ParallelMLP, compiled, normed_mlp, on_sequence_shard, rms_norm, to_local_heads
-    from nlq_scale.model.reference import MLP
+    from nlq_scale.model.query import MLP
 
     def head_rms(t, heads: int, eps: float):
         """Each head's slice of the last dim divided by its RMS (t: [..., heads * head_dim])."""
@@ -112,7 +112,7 @@ class PerHeadNonlinear(MLPArm):
         return query_variant_attention(stock, query, column_linear)
 
     def reference_query(self, m):
-        from nlq_scale.model.reference import EPS
+        from nlq_scale.model.query import EPS
 
         o = self.settings(m)
         return _modules()[1](m.hidden_size, m.num_attention_heads, self.width(m), o.activation, m.add_bias_linear, EPS)

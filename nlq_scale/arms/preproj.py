@@ -45,7 +45,7 @@ def _modules():
         rms_norm,
         to_local_heads,
     )
-    from nlq_scale.model.reference import MLP
+    from nlq_scale.model.query import MLP
 
     @dataclass
     class PreprojSubmodules(SelfAttentionSubmodules):
@@ -142,7 +142,7 @@ class Preproj(MLPArm):
         return stock
 
     def reference_query(self, m):
-        from nlq_scale.model.reference import EPS
+        from nlq_scale.model.query import EPS
 
         o = self.settings(m)
         return _modules()[2](

@@ -9,6 +9,9 @@ shard (their parameters marked `sequence_parallel`, so megatron sums their gradi
 tensor-parallel group), the column-parallel W1 gathers the sequence and the row-parallel W2
 reduce-scatters it back, and one all-to-all turns the query shard into the local heads of the
 whole sequence.
+
+Also the plain-torch MLP and norm epsilon that the reference model and the arms' reference queries
+share (here rather than in model/reference.py, which imports the arms).
 """
 
 from __future__ import annotations
@@ -68,6 +71,20 @@ def relu2(x: Tensor) -> Tensor:
 
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "relu2": relu2, "silu": F.silu}
+EPS = 1e-5  # the reference model's norm epsilon (its blocks' and the arms' reference queries')
+
+
+class MLP(torch.nn.Module):
+    """act(x W_up) W_down: the FFN, the nonlinear query's f before its LayerNorm, and preproj's MLP."""
+
+    def __init__(self, d: int, width: int, bias: bool, activation: str = "gelu") -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(d, width, bias=bias)
+        self.down = torch.nn.Linear(width, d, bias=bias)
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(self.act(self.up(x)))
 
 
 def to_local_heads(q: Tensor, config: TransformerConfig) -> Tensor:

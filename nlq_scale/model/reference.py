@@ -20,9 +20,7 @@ from nlq_scale.model import mup
 from nlq_scale.model.accounting import ffn_hidden_size
 from nlq_scale.model.gpt import softmax_scale
 from nlq_scale.model.norms import HeadRMSNorm
-from nlq_scale.model.query import ACTIVATIONS, recomputed
-
-EPS = 1e-5
+from nlq_scale.model.query import EPS, MLP, recomputed
 
 
 def _norm(m: ModelConfig, width: int) -> nn.Module:
@@ -46,19 +44,6 @@ def rope_tables(m: ModelConfig) -> tuple[Tensor, Tensor]:
     freqs = torch.outer(torch.arange(m.seq_length, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
-
-
-class MLP(nn.Module):
-    """act(x W_up) W_down: the FFN, the nonlinear query's f before its LayerNorm, and preproj's MLP."""
-
-    def __init__(self, d: int, width: int, bias: bool, activation: str = "gelu") -> None:
-        super().__init__()
-        self.up = nn.Linear(d, width, bias=bias)
-        self.down = nn.Linear(width, d, bias=bias)
-        self.act = ACTIVATIONS[activation]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down(self.act(self.up(x)))
 
 
 class Attention(nn.Module):
