@@ -192,10 +192,10 @@ def test_a_requeued_run_whose_old_process_ended_shows_running_not_dead(tmp_path)
     gone.wait()
     write_status(tmp_path, heartbeat_at=time.time(), pid=gone.pid, host=socket.gethostname())
     (tmp_path / "job.json").write_text(json.dumps({"executor": "slurm", "job_id": "12_3"}))
-    assert run_row(tmp_path, tmp_path, alive=True)["state"] == "running"  # requeued: queued again
-    assert run_row(tmp_path, tmp_path, alive=True, waiting=True)["state"] == "pending"
-    assert run_row(tmp_path, tmp_path, alive=False)["state"] == "dead"
-    assert run_row(tmp_path, tmp_path, alive=None)["state"] == "dead"  # no scheduler to ask: the process says it
+    assert run_row(tmp_path, tmp_path, job_state="RUNNING")["state"] == "running"  # requeued: started again
+    assert run_row(tmp_path, tmp_path, job_state="REQUEUED")["state"] == "pending"
+    assert run_row(tmp_path, tmp_path, job_state="")["state"] == "dead"  # left the queue
+    assert run_row(tmp_path, tmp_path, job_state=None)["state"] == "dead"  # no scheduler to ask: the process says it
 
 def test_a_run_whose_job_waits_in_the_queue_is_never_stale(tmp_path, monkeypatch):
     """Found by benchmarks/chaos.py: a hung run retried with --retry-stale keeps its old heartbeat

@@ -87,13 +87,14 @@ def job_states(run_dirs: Iterable[Path]) -> dict[Path, str | None]:
     jobs = {d: read_json(d / JOB_FILE) for d in run_dirs}
     jobs = {d: j for d, j in jobs.items() if j.get("job_id")}
     slurm = slurm_queue_states(j["job_id"] for j in jobs.values() if j.get("executor") == "slurm")
-    out: dict[Path, str | None] = {}
-    for d, j in jobs.items():
-        if j.get("executor") == "local":
-            out[d] = "RUNNING" if local_job_alive(j["job_id"]) else ""
-        else:
-            out[d] = None if slurm is None else slurm.get(j["job_id"], "")
-    return out
+    return {d: _queue_state(j, slurm) for d, j in jobs.items()}
+
+
+def _queue_state(job: dict, slurm: dict[str, str] | None) -> str | None:
+    """One job's state as job_states gives it, from squeue's answer for the SLURM jobs (None: no answer)."""
+    if job.get("executor") == "local":
+        return "RUNNING" if local_job_alive(job["job_id"]) else ""
+    return None if slurm is None else slurm.get(job["job_id"], "")
 
 
 # ---------------------------------------------------------------- deciding
@@ -193,10 +194,8 @@ def wait_ended(jobs: list[dict], timeout_s: float = CANCEL_WAIT_S) -> None:
 
 
 def _still_there(job: dict) -> bool:
-    if job.get("executor") == "local":
-        return local_job_alive(job["job_id"])
-    states = slurm_queue_states([job["job_id"]])
-    return bool(states) and job["job_id"] in states  # squeue gone (None): nothing to wait for
+    slurm = None if job.get("executor") == "local" else slurm_queue_states([job["job_id"]])
+    return bool(_queue_state(job, slurm))  # squeue gone (None): nothing to wait for
 
 
 # ---------------------------------------------------------------- submitting

@@ -65,9 +65,10 @@ def job_error(job: dict) -> str | None:
     return lines[-1] if lines else "error"
 
 
-def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None = None,
-            waiting: bool = False) -> dict[str, Any]:
-    """`waiting`: its job is queued for its (next) start, e.g. requeued or retried (no heartbeat is due)."""
+def run_row(run_dir: Path, root: Path, job_state: str | None, stale_s: float | None = None) -> dict[str, Any]:
+    """`job_state`: its last job's, as executors.job_states gives it. A job queued for its (next)
+    start (requeued or retried) owes no heartbeat."""
+    alive = live(job_state)
     status = read_status(run_dir)
     job = read_json(run_dir / JOB_FILE)
     state = status.get("state")
@@ -86,7 +87,7 @@ def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None
         # (a job still queued or running is the scheduler's word: a requeued run's old process ended,
         # its job starts it again; `dead` would also end `status --watch` while the sweep goes on)
         state, error = "dead", f"its process {status['pid']} on {status['host']} has ended"
-    elif state == "running" and waiting:
+    elif state == "running" and job_state in WAITING_STATES:
         state = "pending"
     elif is_stale(status, stale_s):
         state, error = "stale", f"no heartbeat for {heartbeat_age(status):.0f} s"
@@ -113,7 +114,7 @@ def run_row(run_dir: Path, root: Path, alive: bool | None, stale_s: float | None
 def collect(root: Path, stale_s: float | None = None) -> list[dict[str, Any]]:
     dirs = find_run_dirs(root)
     states = job_states(dirs)
-    return [run_row(d, root, live(states.get(d)), stale_s, states.get(d) in WAITING_STATES) for d in dirs]
+    return [run_row(d, root, states.get(d), stale_s) for d in dirs]
 
 
 def _cell(row: dict[str, Any], column: str) -> str:
