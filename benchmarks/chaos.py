@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from nlq_scale.cluster.executors import slurm_queue_states  # noqa: E402
 from nlq_scale.cluster.status import collect  # noqa: E402
 from tests.conftest import nlq  # noqa: E402
 from tests.test_cluster_reliability import lose_node  # noqa: E402
@@ -116,8 +117,14 @@ class Sweep:
 
 
 def running_jobs(sweep: Sweep) -> list[dict]:
-    """Rows of runs training right now (past their first step), with their SLURM job id."""
-    return [r for r in sweep.rows() if r["state"] == "running" and (r["step"] or 0) >= 1 and r["slurm_job_id"]]
+    """Rows of runs training right now, past their first step and two short of their last (so that
+    their job still runs when the fault lands), whose job SLURM has RUNNING. `scancel --signal` at a
+    job that has left RUNNING (completing after its run ended or was requeued, or pending again)
+    retries ("Job is in transitional state") for 95 s, then gives up."""
+    rows = [r for r in sweep.rows()
+            if r["state"] == "running" and 1 <= (r["step"] or 0) <= (r["total_steps"] or 0) - 2 and r["slurm_job_id"]]
+    slurm = slurm_queue_states(r["slurm_job_id"] for r in rows) or {}
+    return [r for r in rows if slurm.get(r["slurm_job_id"]) == "RUNNING"]
 
 
 def node_of(job_id: str) -> str:
@@ -158,31 +165,33 @@ def tend(sweep: Sweep, deadline: float, disk_full: threading.Event) -> None:
 # ---------------------------------------------------------------- the faults
 
 
-def preempt_requeue(sweep: Sweep, rng: random.Random) -> str:
-    job = rng.choice(running_jobs(sweep))["slurm_job_id"]
+def preempt_requeue(sweep: Sweep, rng: random.Random, jobs: list[dict]) -> str:
+    job = rng.choice(jobs)["slurm_job_id"]
     subprocess.run(["scontrol", "requeue", job], capture_output=True, timeout=60)
     return job
 
 
-def preempt_signal(sweep: Sweep, rng: random.Random) -> str:
-    """SLURM's preemption signal (submitit's USR2): the run checkpoints and requeues itself."""
-    job = rng.choice(running_jobs(sweep))["slurm_job_id"]
-    subprocess.run(["scancel", "--signal=USR2", job], capture_output=True, timeout=60)
+def preempt_signal(sweep: Sweep, rng: random.Random, jobs: list[dict]) -> str:
+    """SLURM's preemption signal (submitit's USR2) to the job's step 0, where submitit runs training:
+    the run checkpoints and requeues itself. (Signalled as a whole, a task of an array with tasks
+    still pending gets USR2 again and again while scancel retries for 95 s, then fails: docs/slurm.md.)"""
+    job = rng.choice(jobs)["slurm_job_id"]
+    subprocess.run(["scancel", "--signal=USR2", f"{job}.0"], capture_output=True, timeout=60, check=True)
     return job
 
 
-def hang(sweep: Sweep, rng: random.Random) -> str:
+def hang(sweep: Sweep, rng: random.Random, jobs: list[dict]) -> str:
     """Stopped, not killed: the job stays allocated and silent."""
-    job = rng.choice(running_jobs(sweep))["slurm_job_id"]
+    job = rng.choice(jobs)["slurm_job_id"]
     for pid in job_processes(job):
         os.kill(pid, signal.SIGSTOP)
     return job
 
 
-def node_lost(sweep: Sweep, rng: random.Random) -> str:
+def node_lost(sweep: Sweep, rng: random.Random, jobs: list[dict]) -> str:
     """A node dies under a run (its slurmd and the job's processes there SIGKILLed), the admin sets it
     down; the user does what docs/slurm.md "Lost nodes" says; the node comes back later."""
-    job = rng.choice(running_jobs(sweep))["slurm_job_id"]
+    job = rng.choice(jobs)["slurm_job_id"]
     node = node_of(job)
     lose_node(node, job)
     subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=chaos"], capture_output=True,
@@ -231,11 +240,11 @@ def schedule(rng: random.Random, span_s: float) -> list[tuple[float, str]]:
 def inject(sweep: Sweep, plan: list[tuple[float, str]], rng: random.Random, start: float, log: list[dict]) -> None:
     for at_s, kind in plan:
         time.sleep(max(0.0, start + at_s - time.time()))
-        while not running_jobs(sweep):  # a fault needs a run in flight
+        while not (jobs := running_jobs(sweep)):  # a fault needs a run in flight
             time.sleep(0.5)
         try:
-            target = FAULTS[kind](sweep, rng)
-        except (IndexError, OSError, subprocess.SubprocessError, RuntimeError) as e:  # e.g. the run ended between look and act
+            target = FAULTS[kind](sweep, rng, jobs)
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:  # e.g. the run ended between look and act
             target = f"missed: {e!r}"
         log.append({"kind": kind, "at_s": round(time.time() - start, 1), "target": target})
 
