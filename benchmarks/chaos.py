@@ -118,9 +118,8 @@ class Sweep:
 
 def running_jobs(sweep: Sweep) -> list[dict]:
     """Rows of runs training right now, past their first step and two short of their last (so that
-    their job still runs when the fault lands), whose job SLURM has RUNNING. `scancel --signal` at a
-    job that has left RUNNING (completing after its run ended or was requeued, or pending again)
-    retries ("Job is in transitional state") for 95 s, then gives up."""
+    their job still runs when the fault lands), whose job SLURM has RUNNING: `status` shows a
+    requeued run `running` while its job completes or waits, and a fault there would hit nothing."""
     rows = [r for r in sweep.rows()
             if r["state"] == "running" and 1 <= (r["step"] or 0) <= (r["total_steps"] or 0) - 2 and r["slurm_job_id"]]
     slurm = slurm_queue_states(r["slurm_job_id"] for r in rows) or {}
@@ -165,33 +164,29 @@ def tend(sweep: Sweep, deadline: float, disk_full: threading.Event) -> None:
 # ---------------------------------------------------------------- the faults
 
 
-def preempt_requeue(sweep: Sweep, rng: random.Random, jobs: list[dict]) -> str:
-    job = rng.choice(jobs)["slurm_job_id"]
+def preempt_requeue(sweep: Sweep, job: str) -> str:
     subprocess.run(["scontrol", "requeue", job], capture_output=True, timeout=60)
     return job
 
 
-def preempt_signal(sweep: Sweep, rng: random.Random, jobs: list[dict]) -> str:
+def preempt_signal(sweep: Sweep, job: str) -> str:
     """SLURM's preemption signal (submitit's USR2) to the job's step 0, where submitit runs training:
     the run checkpoints and requeues itself. (Signalled as a whole, a task of an array with tasks
     still pending gets USR2 again and again while scancel retries for 95 s, then fails: docs/slurm.md.)"""
-    job = rng.choice(jobs)["slurm_job_id"]
     subprocess.run(["scancel", "--signal=USR2", f"{job}.0"], capture_output=True, timeout=60, check=True)
     return job
 
 
-def hang(sweep: Sweep, rng: random.Random, jobs: list[dict]) -> str:
+def hang(sweep: Sweep, job: str) -> str:
     """Stopped, not killed: the job stays allocated and silent."""
-    job = rng.choice(jobs)["slurm_job_id"]
     for pid in job_processes(job):
         os.kill(pid, signal.SIGSTOP)
     return job
 
 
-def node_lost(sweep: Sweep, rng: random.Random, jobs: list[dict]) -> str:
+def node_lost(sweep: Sweep, job: str) -> str:
     """A node dies under a run (its slurmd and the job's processes there SIGKILLed), the admin sets it
     down; the user does what docs/slurm.md "Lost nodes" says; the node comes back later."""
-    job = rng.choice(jobs)["slurm_job_id"]
     node = node_of(job)
     lose_node(node, job)
     subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=chaos"], capture_output=True,
@@ -243,7 +238,7 @@ def inject(sweep: Sweep, plan: list[tuple[float, str]], rng: random.Random, star
         while not (jobs := running_jobs(sweep)):  # a fault needs a run in flight
             time.sleep(0.5)
         try:
-            target = FAULTS[kind](sweep, rng, jobs)
+            target = FAULTS[kind](sweep, rng.choice(jobs)["slurm_job_id"])
         except (OSError, subprocess.SubprocessError, RuntimeError) as e:  # e.g. the run ended between look and act
             target = f"missed: {e!r}"
         log.append({"kind": kind, "at_s": round(time.time() - start, 1), "target": target})
